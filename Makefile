@@ -1,0 +1,40 @@
+# Two entry points for a new user on a fresh Debian/Ubuntu machine:
+#   make run    set up (venv, install, dataset) and run the default pipeline (dvc repro)
+#   make test   set up and run the test suite
+# Both are idempotent: set-up steps are skipped once done.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(CURDIR)/$(VENV)/bin
+DATASET := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+export PATH := $(BIN):$(PATH)
+export MLFLOW_DISABLE_TELEMETRY := true
+export DO_NOT_TRACK := true
+
+.PHONY: run test setup bench clean-venv
+
+run: setup
+	dvc repro
+	python -m stages.report --show
+
+test: setup
+	python -m pytest -q
+
+setup: $(VENV)/.installed $(DATASET)
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV) || { echo "python3-venv missing: $(SUDO) apt-get install -y python3-venv"; exit 1; }
+	$(BIN)/python -m pip install --upgrade --quiet pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+$(DATASET):
+	$(SUDO) apt-get update -qq
+	$(SUDO) apt-get install -y -qq dataset-fashion-mnist
+
+bench: setup
+	python bench/memory_baseline.py
+
+clean-venv:
+	rm -rf $(VENV)

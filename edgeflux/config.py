@@ -1,0 +1,195 @@
+"""params.yaml, grouped by stage, loaded into typed and validated objects.
+
+Validation is pydantic's (already a dependency of Prefect and MLflow): strict types, unknown keys
+rejected, bounds on numbers. Its errors are rewritten into one message per problem that names
+the key, the value it got and what is allowed, so a typo in params.yaml reads like this:
+
+    params.yaml: train_bp.budgt = '24MB': unknown key; allowed keys in train_bp: budget, ...
+
+Memory budgets take units: ``300MB`` (decimal, 10^6), ``1.5GiB`` (binary, 2^30), ``4096B``.
+A bare number is refused, because ``300`` could mean bytes or megabytes.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+
+_UNITS = {
+    "B": 1,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}
+_BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]+)\s*$")
+
+
+class ParamsError(ValueError):
+    """params.yaml holds something edgeflux cannot use; the message says what and how to fix it."""
+
+
+def parse_bytes(value: str | int) -> int:
+    """'300MB' -> 300_000_000, '1.5GiB' -> 1_610_612_736. Integers and unit-less strings are refused."""
+    if isinstance(value, bool) or not isinstance(value, str):
+        raise ValueError(
+            f"a memory size needs a unit, e.g. '{value}MB' or '{value}MiB' "
+            f"(allowed units: {', '.join(_pretty_units())})"
+        )
+    match = _BYTES_RE.match(value)
+    if not match:
+        raise ValueError(
+            f"cannot read {value!r} as a memory size; write a number and a unit, e.g. '300MB' or "
+            f"'1.5GiB' (allowed units: {', '.join(_pretty_units())})"
+        )
+    number, unit = match.groups()
+    if unit.upper() not in _UNITS:
+        raise ValueError(f"unknown unit {unit!r} in {value!r}; allowed units: {', '.join(_pretty_units())}")
+    size = int(round(float(number) * _UNITS[unit.upper()]))
+    if size <= 0:
+        raise ValueError(f"a memory size must be positive, got {value!r}")
+    return size
+
+
+def _pretty_units() -> list[str]:
+    return [u if len(u) <= 2 else u[0] + "iB" for u in _UNITS]
+
+
+Bytes = Annotated[int, BeforeValidator(parse_bytes)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class ModelSpec(_Section):
+    """Which model of the zoo, how wide, and optional torchvision weights on disk."""
+
+    name: Literal["vgg11", "vgg16", "vgg19", "resnet18", "mobilenet_v2", "mobilenet_v3_small", "mobilenet_v3_large"]
+    width: float = Field(1.0, gt=0, le=4)
+    batch_norm: bool = True
+    pretrained_path: str | None = None
+
+    @property
+    def key(self) -> str:
+        """A file-name-safe id, e.g. 'mobilenet_v2-w0.5'."""
+        return f"{self.name}-w{self.width:g}" + ("" if self.batch_norm else "-nobn")
+
+
+class DataParams(_Section):
+    dataset: Literal["fashion-mnist", "mnist", "mnist-subset", "cifar10", "cifar100", "imagefolder"] = "fashion-mnist"
+    root: str | None = None
+    download: bool = False
+    image_size: int = Field(32, ge=8, le=512)
+    channels: Literal[1, 3] | None = None
+    val_fraction: float = Field(0.1, gt=0, lt=1)
+    split_by: Literal["data", "classes", "none"] = "data"
+    source_fraction: float = Field(0.5, gt=0, lt=1)
+    source_classes: list[int] | None = None
+    seed: int = 0
+
+
+class TrainOptions(_Section):
+    """Options every trainer shares, so that stages read the same names."""
+
+    epochs: int = Field(1, ge=1)
+    batch_size: int = Field(128, ge=1)
+    lr: float = Field(0.05, gt=0)
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(5e-4, ge=0)
+    max_train_samples: int | None = Field(None, ge=1)
+    evals_per_epoch: int = Field(2, ge=1)
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class MemoryOptions(_Section):
+    """The memory options every budgeted trainer takes (composable across techniques)."""
+
+    budget: Bytes | None = None
+    max_batch: int = Field(256, ge=1)
+
+
+class PretrainParams(TrainOptions):
+    """The cloud stage: plain backprop, no budget, on the source split."""
+
+    models: list[ModelSpec] = Field(min_length=1)
+
+    @field_validator("models")
+    @classmethod
+    def _unique_keys(cls, models: list[ModelSpec]) -> list[ModelSpec]:
+        keys = [m.key for m in models]
+        dupes = sorted({k for k in keys if keys.count(k) > 1})
+        if dupes:
+            raise ValueError(f"the same model is listed twice: {', '.join(dupes)}")
+        return models
+
+
+class TrainBPParams(TrainOptions, MemoryOptions):
+    """Backprop on the device data under a memory budget (batch_size is replaced by the fitted one)."""
+
+    model: ModelSpec
+
+
+class ReportParams(_Section):
+    target_acc: float = Field(0.8, gt=0, le=1)
+
+
+class Params(_Section):
+    data: DataParams = DataParams()
+    pretrain: PretrainParams
+    train_bp: TrainBPParams
+    report: ReportParams = ReportParams()
+
+
+def _format_error(err: dict, where: str, raw: dict) -> str:
+    loc = [str(p) for p in err["loc"] if not str(p).startswith("function-")]
+    # pydantic appends the validator kind ('str', 'int', 'constrained-str', ...) to union locations
+    loc = [p for p in loc if not re.fullmatch(r"(str|int|float|bool|list\[.*\]|none|constrained-.*|.*\[.*\])", p)]
+    key = ".".join(loc) or "(top level)"
+    got = err.get("input")
+    if err["type"] == "extra_forbidden":
+        allowed = _allowed_keys(loc[:-1])
+        return f"{where}: {key} = {got!r}: unknown key; allowed keys in {'.'.join(loc[:-1]) or 'params.yaml'}: {', '.join(allowed)}"
+    if err["type"] == "missing":
+        return f"{where}: {key} is missing; add it (see the default params.yaml)"
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"{where}: {key} = {got!r}: {msg}"
+
+
+def _allowed_keys(loc: list[str]) -> list[str]:
+    model: Any = Params
+    for part in loc:
+        if part.isdigit():
+            continue
+        field = model.model_fields[part]
+        ann = field.annotation
+        inner = getattr(ann, "__args__", (ann,))
+        model = next((a for a in inner if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if model is None:
+            return []
+    return list(model.model_fields)
+
+
+def validate(raw: dict, where: str = "params.yaml") -> Params:
+    """Turn a parsed params.yaml into Params, or raise ParamsError listing every problem."""
+    if not isinstance(raw, dict):
+        raise ParamsError(f"{where}: expected a mapping of stage sections, got {type(raw).__name__}")
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as exc:
+        lines = [_format_error(e, where, raw) for e in exc.errors()]
+        raise ParamsError("\n".join(lines)) from None
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    path = Path(path)
+    if not path.exists():
+        raise ParamsError(f"{path}: not found; run from the repository root, where params.yaml lives")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ParamsError(f"{path}: not valid YAML: {exc}") from None
+    return validate(raw or {}, where=str(path))

@@ -1,0 +1,82 @@
+"""Model zoo: CIFAR-style CNNs (32x32 inputs) exposed as ordered lists of units.
+
+    model = build_model("mobilenet_v2", num_classes=10, in_channels=1, width=0.25)
+    model.describe()            # per-unit names, kinds, shapes, parameter counts
+    model.forward_until(x, 5)   # activation after units[0:5]
+    model.head(5)               # units[5:] as an nn.Sequential sharing the modules
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+from .mobilenet import build_mobilenet
+from .resnet import build_resnet18
+from .units import UNIT_KINDS, UnitInfo, UnitModel, count_params, eval_mode
+from .vgg import VGG_CFGS, build_vgg, scale_channels
+from .weights import WeightsFileNotFoundError, load_torchvision_weights
+
+log = logging.getLogger(__name__)
+
+MODEL_NAMES = ("vgg11", "vgg16", "vgg19", "resnet18", "mobilenet_v2", "mobilenet_v3_small", "mobilenet_v3_large")
+
+__all__ = [
+    "MODEL_NAMES",
+    "UNIT_KINDS",
+    "UnitInfo",
+    "UnitModel",
+    "WeightsFileNotFoundError",
+    "build_model",
+    "count_params",
+    "eval_mode",
+    "load_torchvision_weights",
+    "scale_channels",
+    "VGG_CFGS",
+]
+
+
+def build_model(
+    name: str,
+    num_classes: int = 10,
+    in_channels: int = 1,
+    width: float = 1.0,
+    image_size: int = 32,
+    batch_norm: bool = True,
+    pretrained_path: str | Path | None = None,
+) -> UnitModel:
+    """Build zoo model `name` as a UnitModel.
+
+    width scales channels (VGG/ResNet: max(8, round(c * width)); MobileNets: torchvision's
+    width_mult). batch_norm=False exists for VGG only (BitTrain's BN-free variant).
+    pretrained_path: a torchvision state_dict file to map onto the model (never downloaded).
+    """
+    if name not in MODEL_NAMES:
+        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(MODEL_NAMES)}")
+    if not (isinstance(width, (int, float)) and math.isfinite(width) and width > 0):
+        raise ValueError(f"width must be a positive number (e.g. 1.0 or 0.25), got {width!r}")
+    for arg, value in (("num_classes", num_classes), ("in_channels", in_channels), ("image_size", image_size)):
+        if not (isinstance(value, int) and value >= 1):
+            raise ValueError(f"{arg} must be a positive int, got {value!r}")
+    if not batch_norm and not name.startswith("vgg"):
+        raise ValueError(f"batch_norm=False is only available for VGG models, not {name!r}")
+
+    if name.startswith("vgg"):
+        model = build_vgg(name, num_classes, in_channels, width, image_size, batch_norm)
+    elif name == "resnet18":
+        model = build_resnet18(num_classes, in_channels, width, image_size)
+    else:
+        model = build_mobilenet(name, num_classes, in_channels, width, image_size)
+    log.info(
+        "built %s: width %g, %d units, %d params, %d classes, %d input channels",
+        name, width, len(model.units), count_params(model), num_classes, in_channels,
+    )
+
+    if pretrained_path is not None:
+        summary = load_torchvision_weights(model, pretrained_path)
+        log.info(
+            "%s: %d tensors loaded from %s, skipped %s, missing %d",
+            name, len(summary["loaded"]), pretrained_path, [k for k, _ in summary["skipped"]], len(summary["missing"]),
+        )
+    return model

@@ -1,0 +1,163 @@
+"""MLflow tracking: one parent run per pipeline run, one nested run per stage.
+
+The only module of the library that imports mlflow. Backend: sqlite ``mlflow.db`` in the working
+directory (the repository root, where DVC runs stages) unless ``MLFLOW_TRACKING_URI`` says
+otherwise. Telemetry is off: devices may be offline.
+
+How stages that run as separate processes find their common parent run: the pipeline id comes
+from ``EDGEFLUX_PIPELINE_ID`` when a launcher (Makefile, Prefect flow) sets it; otherwise from the
+``dvc`` process that is running this stage (its pid and start time are the same for every stage of
+one ``dvc repro``), so a plain ``dvc repro`` groups its stages too. A stage run by hand gets a
+parent of its own.
+
+Metric names are shared by every stage so that MLflow's compare view lines them up:
+``time_s``, ``peak_mem_bytes``, ``budget_bytes``, ``batch_size``, ``train_loss``, ``val_acc``,
+``test_acc``, ``params``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("DO_NOT_TRACK", "true")
+
+import mlflow  # noqa: E402  (the environment above must be set before mlflow reads it)
+import psutil  # noqa: E402
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+EXPERIMENT = os.environ.get("EDGEFLUX_EXPERIMENT", "edgeflux")
+PIPELINE_KEY_TAG = "edgeflux.pipeline_id"
+
+
+def tracking_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+def pipeline_id() -> str:
+    """The id shared by every stage of one pipeline run (see the module docstring)."""
+    if os.environ.get("EDGEFLUX_PIPELINE_ID"):
+        return os.environ["EDGEFLUX_PIPELINE_ID"]
+    me = psutil.Process()
+    for proc in me.parents():
+        try:
+            argv = proc.cmdline()
+        except (psutil.AccessDenied, psutil.NoSuchProcess):
+            continue
+        if any(Path(a).name in ("dvc", "dvc.exe") for a in argv[:2]) or argv[1:3] == ["-m", "dvc"]:
+            return f"dvc:{socket.gethostname()}:{proc.pid}:{int(proc.create_time())}"
+    return f"standalone:{socket.gethostname()}:{me.pid}:{int(me.create_time())}"
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'model': {'name': 'vgg11'}} -> {'model.name': 'vgg11'}; lists become JSON strings."""
+    flat: dict[str, Any] = {}
+    for key, value in params.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, prefix=f"{name}."))
+        elif isinstance(value, (list, tuple)):
+            flat[name] = json.dumps(value)
+        else:
+            flat[name] = value
+    return flat
+
+
+class StageRun:
+    """What a stage logs to its nested MLflow run."""
+
+    def __init__(self, run_id: str, stage: str):
+        self.run_id = run_id
+        self.stage = stage
+        self.started = time.perf_counter()
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        mlflow.log_params(flatten(params))
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        numeric = {k: float(v) for k, v in flatten(metrics).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        mlflow.log_metrics(numeric, step=step)
+
+    def log_history(self, history: list[Mapping[str, float]], step_key: str = "step") -> None:
+        """A training curve: one MLflow step per row. The row's time_s (training time so far) is logged as
+        train_time_s, keeping time_s for the stage's wall clock."""
+        for row in history:
+            renamed = {("train_time_s" if k == "time_s" else k): v for k, v in row.items() if k != step_key}
+            self.log_metrics(renamed, step=int(row[step_key]))
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        path = Path(path)
+        if path.is_dir():
+            mlflow.log_artifacts(str(path), artifact_path=artifact_path or path.name)
+        elif path.exists():
+            mlflow.log_artifact(str(path), artifact_path=artifact_path)
+        else:
+            log.warning("not logging missing artifact %s", path)
+
+    def log_dict(self, data: dict, name: str) -> None:
+        mlflow.log_dict(data, name)
+
+
+def _parent_run(client: MlflowClient, experiment_id: str, pid: str) -> str:
+    found = client.search_runs([experiment_id], filter_string=f"tags.`{PIPELINE_KEY_TAG}` = '{pid}'", max_results=1)
+    if found:
+        client.update_run(found[0].info.run_id, status="RUNNING")
+        return found[0].info.run_id
+    name = time.strftime("pipeline %Y-%m-%d %H:%M:%S")
+    tags = {PIPELINE_KEY_TAG: pid, "edgeflux.kind": "pipeline", "host": socket.gethostname()}
+    if commit := _git_commit():
+        tags["mlflow.source.git.commit"] = commit
+    return client.create_run(experiment_id, run_name=name, tags=tags).info.run_id
+
+
+@contextmanager
+def stage_run(stage: str, params: Mapping[str, Any] | None = None) -> Iterator[StageRun]:
+    """Open the nested MLflow run of one stage inside its pipeline's parent run.
+
+    On exit the stage's ``time_s`` (wall clock of the block) is logged, the child run is closed as
+    FINISHED (FAILED on an exception) and the parent is left FINISHED (or FAILED), so the parent
+    always shows the state of the last stage that ran.
+    """
+    mlflow.set_tracking_uri(tracking_uri())
+    client = MlflowClient()
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    experiment_id = experiment.experiment_id if experiment else client.create_experiment(EXPERIMENT)
+    parent_id = _parent_run(client, experiment_id, pipeline_id())
+    status = "FAILED"
+    with mlflow.start_run(experiment_id=experiment_id, run_name=stage, parent_run_id=parent_id,
+                          tags={"edgeflux.stage": stage, "edgeflux.kind": "stage"}) as active:
+        run = StageRun(active.info.run_id, stage)
+        if params:
+            run.log_params(params)
+        try:
+            yield run
+            status = "FINISHED"
+        finally:
+            if status == "FINISHED":
+                mlflow.log_metric("time_s", time.perf_counter() - run.started)
+            mlflow.end_run(status=status)
+            client.set_terminated(parent_id, status=status)
+    log.info("MLflow: stage %s logged as run %s (parent %s) in %s", stage, run.run_id, parent_id, tracking_uri())
+
+
+def ui_command() -> str:
+    """The command a user runs to browse what was tracked."""
+    return f"mlflow ui --backend-store-uri {tracking_uri()}"

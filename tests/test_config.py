@@ -1,0 +1,89 @@
+import copy
+from pathlib import Path
+
+import pytest
+
+from edgeflux.config import ParamsError, load_params, parse_bytes, validate
+
+REPO = Path(__file__).resolve().parents[1]
+MINIMAL = {"pretrain": {"models": [{"name": "resnet18", "width": 0.25}]},
+           "train_bp": {"model": {"name": "vgg11", "width": 0.25}, "budget": "24MB"}}
+
+
+def with_change(section, key, value):
+    raw = copy.deepcopy(MINIMAL)
+    raw[section][key] = value
+    return raw
+
+
+def test_repository_params_yaml_is_valid():
+    params = load_params(REPO / "params.yaml")
+    assert params.data.dataset == "fashion-mnist"
+    assert params.train_bp.budget == 24_000_000
+    assert [m.key for m in params.pretrain.models] == ["mobilenet_v2-w0.5", "resnet18-w0.25"]
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("300MB", 300_000_000), ("1.5GiB", 1_610_612_736), ("4096B", 4096), ("64 KiB", 65_536), ("2gb", 2_000_000_000),
+])
+def test_parse_bytes_units(text, expected):
+    assert parse_bytes(text) == expected
+
+
+def test_unknown_key_names_key_and_allowed_keys():
+    with pytest.raises(ParamsError) as err:
+        validate(with_change("train_bp", "budgt", "24MB"))
+    msg = str(err.value)
+    assert "train_bp.budgt" in msg and "unknown key" in msg and "budget" in msg and "max_batch" in msg
+
+
+def test_nested_unknown_key():
+    raw = copy.deepcopy(MINIMAL)
+    raw["pretrain"]["models"][0]["widht"] = 0.5
+    with pytest.raises(ParamsError, match=r"pretrain\.models\.0\.widht.*allowed keys.*width"):
+        validate(raw)
+
+
+@pytest.mark.parametrize("value,fragment", [(300, "needs a unit"), ("300", "cannot read '300'"),
+                                            ("3 parsecs", "unknown unit 'parsecs'"), ("-5MB", "cannot read")])
+def test_budget_without_valid_unit(value, fragment):
+    with pytest.raises(ParamsError) as err:
+        validate(with_change("train_bp", "budget", value))
+    assert "train_bp.budget" in str(err.value) and fragment in str(err.value)
+    assert "MiB" in str(err.value) or "unit" in str(err.value)
+
+
+def test_negative_batch_size_and_wrong_types():
+    with pytest.raises(ParamsError, match=r"train_bp\.batch_size = -3: .*greater than or equal to 1"):
+        validate(with_change("train_bp", "batch_size", -3))
+    with pytest.raises(ParamsError, match=r"train_bp\.lr = 'fast'"):
+        validate(with_change("train_bp", "lr", "fast"))
+    with pytest.raises(ParamsError, match=r"train_bp\.epochs = 2\.5"):
+        validate(with_change("train_bp", "epochs", 2.5))
+    with pytest.raises(ParamsError, match=r"pretrain\.models\.0\.name = 'vgg13'.*'vgg11'"):
+        validate({**MINIMAL, "pretrain": {"models": [{"name": "vgg13"}]}})
+
+
+def test_every_problem_is_reported_at_once():
+    raw = with_change("train_bp", "lr", -1.0)
+    raw["data"] = {"val_fraction": 1.5}
+    msg = str(pytest.raises(ParamsError, validate, raw).value)
+    assert "train_bp.lr" in msg and "data.val_fraction" in msg
+
+
+def test_missing_section_and_bad_file(tmp_path):
+    with pytest.raises(ParamsError, match="train_bp is missing"):
+        validate({"pretrain": MINIMAL["pretrain"]})
+    bad = tmp_path / "params.yaml"
+    bad.write_text("train_bp: [unclosed")
+    with pytest.raises(ParamsError, match="not valid YAML"):
+        load_params(bad)
+    with pytest.raises(ParamsError, match="not found"):
+        load_params(tmp_path / "nope.yaml")
+
+
+def test_duplicate_pretrain_models_rejected():
+    raw = copy.deepcopy(MINIMAL)
+    raw["pretrain"]["models"] = [{"name": "resnet18", "width": 0.25}, {"name": "resnet18", "width": 0.25}]
+    with pytest.raises(ParamsError, match="listed twice: resnet18-w0.25"):
+        validate(raw)
