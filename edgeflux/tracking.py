@@ -21,6 +21,7 @@ import logging
 import os
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -159,5 +160,9 @@ def stage_run(stage: str, params: Mapping[str, Any] | None = None) -> Iterator[S
 
 
 def ui_command() -> str:
-    """The command a user runs to browse what was tracked."""
-    return f"mlflow ui --backend-store-uri {tracking_uri()}"
+    """The command a user runs to browse what was tracked (with this interpreter's mlflow, so it
+    works from a shell where the virtualenv is not activated)."""
+    mlflow_bin = Path(sys.executable).parent / "mlflow"
+    if mlflow_bin.is_relative_to(Path.cwd()):
+        mlflow_bin = mlflow_bin.relative_to(Path.cwd())
+    return f"{mlflow_bin if mlflow_bin.exists() else 'mlflow'} ui --backend-store-uri {tracking_uri()}"

@@ -1,0 +1,134 @@
+"""What every benchmark shares: the machine it ran on, its flags, and how results are written.
+
+Each benchmark writes bench/results/<name>.json (machine-readable) and <name>.md (a table
+with the machine and the exact command line that produced it) side by side:
+
+    result = BenchResult()
+    result.add(model="vgg16", batch=8, peak_bytes=123)
+    result.write("memory_baseline", title="Peak training memory", notes="...")
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import socket
+import sys
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("model name", "hardware", "cpu model")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine a result came from: absolute numbers mean nothing without it."""
+    cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cores_logical": os.cpu_count(),
+        "cores_physical": psutil.cpu_count(logical=False),
+        "memory_bytes": psutil.virtual_memory().total,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda_device": cuda,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def machine_line(info: dict[str, Any]) -> str:
+    mem_gib = info["memory_bytes"] / 2**30
+    return (f"{info['hostname']} · {info['cpu']} · {info['cores_logical']} logical cores · {mem_gib:.1f} GiB RAM · "
+            f"{info['platform']} · Python {info['python']} · torch {info['torch']} · "
+            f"CUDA: {info['cuda_device'] or 'none'} · {info['date']}")
+
+
+def command_line() -> str:
+    """The command that is running, as it could be typed again."""
+    return shlex.join(["python", *sys.argv])
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | dict[str, str] | None = None) -> str:
+    """A markdown table of `rows`; columns: keys to show, or {key: header}; default: all keys."""
+    if columns is None:
+        columns = list(dict.fromkeys(k for row in rows for k in row))
+    headers = columns if isinstance(columns, dict) else {c: c for c in columns}
+    lines = ["| " + " | ".join(headers.values()) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(_cell(row.get(k)) for k in headers) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+class BenchResult:
+    """Rows of one benchmark run (plus optional extra tables), written as JSON and markdown."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self.sections: list[dict[str, Any]] = []
+
+    def add(self, **row: Any) -> None:
+        """One row of the main table; values are JSON-serialisable."""
+        self.rows.append(row)
+
+    def add_section(self, title: str, rows: Sequence[dict[str, Any]],
+                    columns: Sequence[str] | dict[str, str] | None = None) -> None:
+        """An extra table written after the main one (e.g. a fit per model)."""
+        self.sections.append({"title": title, "rows": list(rows), "columns": columns})
+
+    def write(self, name: str, results_dir: str | Path = RESULTS_DIR, title: str | None = None,
+              columns: Sequence[str] | dict[str, str] | None = None, notes: str | None = None,
+              md_rows: Sequence[dict[str, Any]] | None = None, extra: dict[str, Any] | None = None) -> tuple[Path, Path]:
+        """Write <results_dir>/<name>.json and <name>.md; returns their paths.
+
+        md_rows: what the markdown table shows (e.g. values converted to MiB); default: the rows.
+        extra: more top-level JSON fields (settings, fits, ...).
+        """
+        out = Path(results_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        info, command = machine_info(), command_line()
+        payload = {"benchmark": name, "title": title or name, "command": command, "machine": info,
+                   "rows": self.rows, "sections": self.sections, "notes": notes, **(extra or {})}
+        json_path, md_path = out / f"{name}.json", out / f"{name}.md"
+        json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+
+        parts = [f"# {title or name}", "", f"Machine: {machine_line(info)}", "",
+                 f"Command: `{command}`", "", markdown_table(md_rows if md_rows is not None else self.rows, columns)]
+        for section in self.sections:
+            parts += ["", f"## {section['title']}", "", markdown_table(section["rows"], section["columns"])]
+        if notes:
+            parts += ["", notes.strip()]
+        md_path.write_text("\n".join(parts) + "\n")
+        return json_path, md_path
+
+
+def bench_argparser(description: str) -> argparse.ArgumentParser:
+    """The flags every benchmark takes (--quick, --out); add the benchmark's own to the result."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="CI-sized run: fewer models/settings, small sizes; finishes in a minute or two")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR,
+                        help="directory for the results (<name>.json, <name>.md, plots); default: bench/results")
+    return parser

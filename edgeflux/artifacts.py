@@ -1,0 +1,44 @@
+"""Files the stages hand to each other: trained models and JSON metrics, written atomically.
+
+A model file holds its zoo spec next to the weights, so ``load_model`` rebuilds it without the
+params that made it (a device downloading a pre-trained backbone needs only the file).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from edgeflux.models import build_model
+
+
+def _atomic_write(path: Path, write) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    _atomic_write(Path(path), lambda p: p.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n"))
+
+
+def save_model(path: str | Path, model: nn.Module, spec: dict, meta: dict | None = None) -> None:
+    """``spec``: build_model keyword arguments (name, num_classes, in_channels, width, ...)."""
+    state = {"spec": spec, "state_dict": model.state_dict(), "meta": meta or {}}
+    _atomic_write(Path(path), lambda p: torch.save(state, p))
+
+
+def load_model(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[nn.Module, dict]:
+    """Rebuild a model saved by ``save_model``; returns (model, meta)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such model file; run the stage that writes it (see dvc.yaml: `dvc repro`)")
+    state = torch.load(path, map_location=map_location, weights_only=False)
+    model = build_model(**state["spec"])
+    model.load_state_dict(state["state_dict"])
+    return model, state["meta"]

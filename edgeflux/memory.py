@@ -1,0 +1,548 @@
+"""Measuring the memory of one training step: one API for CPU and CUDA.
+
+    mem = measure_step(training_step_fn(model, opt, x, y), model=model, optimizer=opt, inputs=(x, y))
+    mem.peak_bytes, mem.activation_bytes, mem.saved_by_unit, mem.rss_peak_bytes
+
+What is measured, and how:
+
+* CUDA: the caching allocator's own counter, ``torch.cuda.max_memory_allocated`` after
+  ``torch.cuda.reset_peak_memory_stats`` (method ``"cuda_allocator"``).
+* CPU: the exact peak of live tensor bytes during the step (method ``"cpu_live_tensors"``).
+  ``LiveTensorTracker`` is a ``TorchDispatchMode``: every tensor an aten op returns (or takes,
+  if it was not seen yet) has its untyped storage counted once, keyed by the storage object,
+  added when first seen and subtracted when the storage is freed (a weakref callback on the
+  storage object: PyTorch keeps a storage's Python object alive exactly as long as the storage,
+  so the callback fires when the memory is released). Tensors that exist before the step
+  (parameters, buffers, gradients, optimizer state, the batch) are seeded, deduplicated by
+  storage. "Live tensor bytes" are storage bytes: what the allocator hands out to tensors,
+  not scratch buffers a kernel allocates and frees inside one op (e.g. oneDNN workspaces),
+  and not the allocator's or Python's own overhead.
+* Bytes saved for backward (``count_saved_tensors``): counted in
+  ``torch.autograd.graph.saved_tensors_hooks``, deduplicated by storage (a ReLU output that
+  the next conv also saves counts once), parameters and buffers excluded (their memory exists
+  anyway), attributed to the unit whose forward is running.
+* Process peak RSS (a 1 ms sampling thread) and USS after the step (psutil): a cross-check
+  of the process as a whole (interpreter, libraries, allocator caches), never the exact figure.
+
+Why our own tracker and not ``torch.distributed._tools.mem_tracker.MemTracker``: both were
+evaluated on torch 2.14.1 / CPU and give identical, exact peaks (the tests compare them), but
+MemTracker is a private API inside ``torch.distributed`` (absent on PyTorch builds without
+distributed support, which edge builds can be), it installs global module and optimizer hooks
+and monkey-patches ``UntypedStorage.resize_`` for the whole process, and it does not say which
+of the tensors alive at the peak were gradients *at that moment* in the categories this
+project reports. The dispatch-mode tracker is ~100 lines, has no global side effects, and
+records allocation/free times so any group of tensors can be attributed to the peak exactly.
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import logging
+import math
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import Any
+
+import psutil
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
+
+log = logging.getLogger(__name__)
+
+OUTSIDE_UNITS = "(outside units)"   # saved bytes of ops that run in no unit (e.g. the loss)
+
+
+def format_bytes(n: float | None) -> str:
+    """Human-readable binary size: ``format_bytes(12_900_000) == "12.3 MiB"``."""
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _storage(t: Tensor) -> torch.UntypedStorage | None:
+    """The tensor's untyped storage, or None for tensors without real memory (meta, sparse, ...)."""
+    if t.device.type == "meta":
+        return None
+    try:
+        return t.untyped_storage()
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
+# ----------------------------------------------------------------------------- live tensors
+
+@dataclass(slots=True)
+class _Record:
+    nbytes: int
+    born: int                # tracker clock when first seen
+    died: int | None = None  # tracker clock when freed (None: alive when tracking stopped)
+    label: str | None = None
+
+
+class LiveTensorTracker(TorchDispatchMode):
+    """Exact running and peak bytes of live tensor storages (see the module docstring)."""
+
+    def __init__(self, track_inputs: bool = True) -> None:
+        super().__init__()
+        self.track_inputs = track_inputs  # also count pre-existing tensors an op reads, from first sight
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self._clock = 0
+        self._peak_clock = 0
+        self._records: list[_Record] = []
+        self._live: dict[int, tuple[_Record, weakref.ref]] = {}   # id(storage) -> record, weakref
+
+    def track(self, t: Tensor, label: str | None = None) -> None:
+        """Count `t`'s storage from now on (once per storage); `label` names its category."""
+        st = _storage(t)
+        if st is None:
+            return
+        key = id(st)
+        entry = self._live.get(key)
+        if entry is not None:
+            rec = entry[0]
+            if label is not None and rec.label is None:
+                rec.label = label
+            if st.nbytes() != rec.nbytes:   # resized in place (e.g. an out= op grew it)
+                self._add(st.nbytes() - rec.nbytes)
+                rec.nbytes = st.nbytes()
+            return
+        # Allocate everything first: a GC pass triggered here may free storages, whose
+        # callbacks must not interleave with the counter update below.
+        rec = _Record(st.nbytes(), 0, None, label)
+        ref = weakref.ref(st, partial(self._on_free, key))
+        self._live[key] = (rec, ref)
+        self._records.append(rec)
+        self._add(rec.nbytes)
+        rec.born = self._clock
+
+    def label(self, t: Tensor, label: str) -> None:
+        """Set the category of an already tracked tensor (e.g. gradients created during the step)."""
+        st = _storage(t)
+        entry = self._live.get(id(st)) if st is not None else None
+        if entry is None:
+            log.debug("label %r: tensor of shape %s was never seen by the tracker", label, tuple(t.shape))
+            return
+        entry[0].label = label
+
+    def bytes_at_peak(self) -> dict[str | None, int]:
+        """Bytes alive at the moment of the peak, per label (None: unlabelled)."""
+        out: dict[str | None, int] = {}
+        for r in self._records:
+            if r.born <= self._peak_clock and (r.died is None or r.died > self._peak_clock):
+                out[r.label] = out.get(r.label, 0) + r.nbytes
+        return out
+
+    def _add(self, delta: int) -> None:
+        self._clock += 1
+        self.current_bytes += delta
+        if self.current_bytes > self.peak_bytes:
+            self.peak_bytes = self.current_bytes
+            self._peak_clock = self._clock
+
+    def _on_free(self, key: int, _ref: weakref.ref) -> None:
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            self._add(-entry[0].nbytes)
+            entry[0].died = self._clock
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.track_inputs:
+            tree_map_only(Tensor, self.track, (args, kwargs))
+        out = func(*args, **(kwargs or {}))
+        tree_map_only(Tensor, self.track, out)
+        return out
+
+    def stop(self) -> None:
+        """Stop following frees: the counters keep their values at this moment."""
+        self._live.clear()   # dropping the weakrefs drops their callbacks
+
+
+@contextmanager
+def track_live_tensors(seed: Iterable[Tensor] = (), track_inputs: bool = True) -> Iterator[LiveTensorTracker]:
+    """Exact peak of live tensor bytes inside the block; `seed` tensors count from the start.
+
+    The seeds are not kept alive by the tracker (only weak references), so a seeded gradient
+    that the step frees (zero_grad(set_to_none=True)) stops counting when it is freed.
+    """
+    tracker = LiveTensorTracker(track_inputs=track_inputs)
+    for t in seed:
+        tracker.track(t)
+    try:
+        with tracker:
+            yield tracker
+    finally:
+        tracker.stop()
+
+
+# ----------------------------------------------------------------------------- saved for backward
+
+class SavedTensorCounter:
+    """Bytes saved for backward, deduplicated by storage, persistent tensors excluded, per unit."""
+
+    def __init__(self, unit_names: Sequence[str], exclude: Iterable[Tensor]) -> None:
+        self.total_bytes = 0
+        self.by_unit: dict[str, int] = {name: 0 for name in unit_names} | {OUTSIDE_UNITS: 0}
+        self._stack: list[str] = []
+        # Pin the excluded storages so their ids stay unique (they are alive anyway).
+        self._excluded = {id(st): st for st in map(_storage, exclude) if st is not None}
+        self._seen: dict[int, weakref.ref] = {}
+
+    # Module hooks; they return None so that inputs and outputs pass through unchanged.
+    def _enter(self, name: str, _module: nn.Module, _inputs: Any) -> None:
+        self._stack.append(name)
+
+    def _exit(self, _module: nn.Module, _inputs: Any, _output: Any) -> None:
+        self._stack.pop()
+
+    def pack(self, t: Tensor) -> Tensor:
+        if isinstance(t, nn.Parameter):
+            return t
+        st = _storage(t)
+        if st is None or id(st) in self._excluded or id(st) in self._seen:
+            return t
+        key = id(st)
+        self._seen[key] = weakref.ref(st, lambda _r, k=key: self._seen.pop(k, None))
+        self.total_bytes += st.nbytes()
+        unit = self._stack[-1] if self._stack else OUTSIDE_UNITS
+        self.by_unit[unit] = self.by_unit.get(unit, 0) + st.nbytes()
+        return t
+
+
+@contextmanager
+def count_saved_tensors(units: Sequence[tuple[str, nn.Module]] | None = None,
+                        params: Iterable[Tensor] = ()) -> Iterator[SavedTensorCounter]:
+    """Count the bytes autograd saves for backward inside the block.
+
+    units: (name, module) pairs; a saved tensor is attributed to the innermost unit whose
+    forward is running, or to OUTSIDE_UNITS (e.g. the loss), so by_unit sums to total_bytes. params: tensors whose storage is not
+    counted when saved (parameters, buffers); nn.Parameter instances are always excluded.
+    Saved tensors are returned unchanged, so training is unaffected. An inner
+    saved_tensors_hooks (e.g. BitTrain's) takes precedence, and then this counter sees nothing.
+    """
+    units = list(units or [])
+    counter = SavedTensorCounter([name for name, _ in units], params)
+    handles = []
+    for name, module in units:
+        handles.append(module.register_forward_pre_hook(partial(counter._enter, name)))
+        handles.append(module.register_forward_hook(counter._exit))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+            yield counter
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# ----------------------------------------------------------------------------- process RSS/USS
+
+class _RssSampler:
+    """Peak process RSS sampled every `interval` seconds on a background thread."""
+
+    def __init__(self, interval: float = 0.001) -> None:
+        self.interval = interval
+        self.peak: int | None = None
+        self._proc = psutil.Process()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def _sample(self) -> None:
+        try:
+            rss = self._proc.memory_info().rss
+        except psutil.Error:
+            return
+        self.peak = rss if self.peak is None else max(self.peak, rss)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __enter__(self) -> _RssSampler:
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
+def _uss_bytes() -> int | None:
+    try:
+        return int(psutil.Process().memory_full_info().uss)
+    except (psutil.Error, AttributeError):   # AccessDenied, or no USS on this platform
+        return None
+
+
+# ----------------------------------------------------------------------------- one step
+
+@dataclass
+class StepMemory:
+    """Memory of one training step. peak_bytes is measured; rss/uss are a process-level cross-check."""
+    device: str
+    method: str                      # "cuda_allocator" | "cpu_live_tensors"
+    peak_bytes: int                  # measured peak of live tensor bytes (CUDA: max_memory_allocated)
+    param_bytes: int                 # the categories below: alive at the peak (CPU) / after the step (CUDA)
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int            # peak - params - buffers - grads - optimizer: activations, saved, temps, input
+    saved_bytes: int                 # saved for backward, deduplicated, parameters and buffers excluded
+    saved_by_unit: dict[str, int] = field(default_factory=dict)
+    rss_peak_bytes: int | None = None    # process peak RSS during the step (sampled), not exact
+    uss_bytes: int | None = None         # process USS after the step, not exact
+    buffer_bytes: int = 0                # BN running statistics etc.
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _tensors_of_state(optimizer: torch.optim.Optimizer | None) -> Iterator[Tensor]:
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            yield from (v for v in state.values() if isinstance(v, Tensor))
+
+
+def _unique_bytes(tensors: Iterable[Tensor]) -> int:
+    storages = {id(st): st.nbytes() for st in map(_storage, tensors) if st is not None}
+    return sum(storages.values())
+
+
+def _parameters(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> list[Tensor]:
+    params = list(model.parameters()) if model is not None else []
+    if optimizer is not None:
+        params += [p for g in optimizer.param_groups for p in g["params"]]
+    return list({id(p): p for p in params}.values())
+
+
+def _seed(tracker: LiveTensorTracker, params: list[Tensor], buffers: list[Tensor],
+          optimizer: torch.optim.Optimizer | None, inputs: Sequence[Tensor]) -> None:
+    # A function of its own so that no reference to a seeded tensor (e.g. last step's
+    # gradient, which the step frees) outlives it.
+    for p in params:
+        tracker.track(p, "param")
+    for b in buffers:
+        tracker.track(b, "buffer")
+    for p in params:
+        if p.grad is not None:
+            tracker.track(p.grad, "grad")
+    for t in _tensors_of_state(optimizer):
+        tracker.track(t, "optimizer")
+    for t in inputs:
+        tracker.track(t, "input")
+
+
+def _label_after_step(tracker: LiveTensorTracker, params: list[Tensor],
+                      optimizer: torch.optim.Optimizer | None) -> None:
+    # Gradients and optimizer state created during the step are only known once it is done.
+    for p in params:
+        if p.grad is not None:
+            tracker.label(p.grad, "grad")
+    for t in _tensors_of_state(optimizer):
+        tracker.label(t, "optimizer")
+
+
+def measure_step(step: Callable[[], Any], *, model: nn.Module | None = None, optimizer=None,
+                 inputs: Sequence[Tensor] = (), units: Sequence[tuple[str, nn.Module]] | None = None,
+                 device: str | torch.device = "cpu") -> StepMemory:
+    """Run `step()` once and measure its memory.
+
+    model/optimizer/inputs: the tensors that exist before the step, counted in the peak from
+    the start and reported per category. units: (name, module) pairs for saved_by_unit;
+    defaults to zip(model.unit_names, model.units) when the model has them.
+    """
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"measure_step supports 'cpu' and 'cuda' devices, not {device}")
+    if units is None and model is not None and hasattr(model, "units") and hasattr(model, "unit_names"):
+        units = list(zip(model.unit_names, model.units))
+    params = _parameters(model, optimizer)
+    buffers = list(model.buffers()) if model is not None else []
+
+    gc.collect()   # garbage of earlier steps must not be freed (and counted) inside this one
+    with _RssSampler() as rss, count_saved_tensors(units, params + buffers) as saved:
+        if device.type == "cuda":
+            peak, at_peak = _cuda_peak(step, device), None
+        else:
+            with track_live_tensors() as tracker:
+                _seed(tracker, params, buffers, optimizer, inputs)
+                step()
+                _label_after_step(tracker, params, optimizer)
+            peak, at_peak = tracker.peak_bytes, tracker.bytes_at_peak()
+
+    if at_peak is None:   # CUDA: the persistent tensors as they are after the step
+        at_peak = {"param": _unique_bytes(params), "buffer": _unique_bytes(buffers),
+                   "grad": _unique_bytes(p.grad for p in params if p.grad is not None),
+                   "optimizer": _unique_bytes(_tensors_of_state(optimizer))}
+    known = {k: at_peak.get(k, 0) for k in ("param", "buffer", "grad", "optimizer")}
+    return StepMemory(
+        device=str(device),
+        method="cuda_allocator" if device.type == "cuda" else "cpu_live_tensors",
+        peak_bytes=int(peak),
+        param_bytes=known["param"], grad_bytes=known["grad"], optimizer_bytes=known["optimizer"],
+        activation_bytes=int(peak) - sum(known.values()),
+        saved_bytes=saved.total_bytes, saved_by_unit=dict(saved.by_unit),
+        rss_peak_bytes=rss.peak, uss_bytes=_uss_bytes(), buffer_bytes=known["buffer"],
+    )
+
+
+def _cuda_peak(step: Callable[[], Any], device: torch.device) -> int:
+    """Peak bytes the CUDA caching allocator handed to tensors during `step()`."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)   # the peak restarts at what is allocated now
+    step()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device)
+
+
+def training_step_fn(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor,
+                     loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy) -> Callable[[], float]:
+    """One standard training step as a closure: zero_grad(set_to_none), forward, loss, backward, step."""
+    def step() -> float:
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+    return step
+
+
+def measure_training_peak(model: nn.Module, optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+                          sample_shape: Sequence[int], num_classes: int, batch: int,
+                          device: str | torch.device = "cpu") -> StepMemory:
+    """Measure one steady-state training step of a copy of `model` at batch size `batch`.
+
+    A deep copy and a fresh optimizer take one warm-up step first, so that optimizer state
+    (SGD momentum, Adam moments) exists as it does during training; the next step, on random
+    inputs of shape [batch, *sample_shape] and random labels, is measured. `model` is untouched.
+    """
+    device = torch.device(device)
+    net = copy.deepcopy(model).to(device).train()
+    optimizer = optimizer_factory(net.parameters())
+    gen = torch.Generator().manual_seed(batch)
+
+    def batch_tensors() -> tuple[Tensor, Tensor]:
+        x = torch.randn(batch, *sample_shape, generator=gen).to(device)
+        y = torch.randint(0, num_classes, (batch,), generator=gen).to(device)
+        return x, y
+
+    training_step_fn(net, optimizer, *batch_tensors())()   # warm-up: creates the optimizer state
+    x, y = batch_tensors()
+    units = list(zip(net.unit_names, net.units)) if hasattr(net, "units") and hasattr(net, "unit_names") else None
+    return measure_step(training_step_fn(net, optimizer, x, y), model=net, optimizer=optimizer,
+                        inputs=(x, y), units=units, device=device)
+
+
+# ----------------------------------------------------------------------------- batch size under a budget
+
+class BudgetTooSmallError(RuntimeError):
+    """Even batch size 1 does not fit the memory budget."""
+
+    def __init__(self, budget_bytes: int, min_feasible_bytes: int) -> None:
+        self.budget_bytes, self.min_feasible_bytes = int(budget_bytes), int(min_feasible_bytes)
+        need = f"{format_bytes(min_feasible_bytes)} ({min_feasible_bytes} bytes)"
+        super().__init__(
+            f"the memory budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below the measured peak "
+            f"of one training step at batch size 1, {need}: the smallest feasible budget is {need} (measured); "
+            f"raise the budget to at least {need} or choose a smaller/narrower model")
+
+
+@dataclass
+class BatchFit:
+    """The largest batch whose measured peak fits the budget, and the measurements behind it."""
+    batch_size: int
+    peak_bytes: int                      # measured at batch_size
+    budget_bytes: int
+    measurements: list[tuple[int, int]]  # (batch, measured peak), every point measured, by batch
+    slope_bytes_per_sample: float        # estimate: least-squares line bytes = slope*batch + intercept
+    intercept_bytes: float               # estimate
+    r2: float                            # of that line over the measurements
+    min_feasible_bytes: int              # measured peak at batch 1
+
+
+def fit_linear(batches: Sequence[float], values: Sequence[float]) -> tuple[float, float, float]:
+    """Least-squares line values = a*batches + b; returns (a, b, r2). One point: (0, value, 1)."""
+    n = len(batches)
+    if n == 0 or n != len(values):
+        raise ValueError(f"fit_linear needs equally many batches and values (got {n} and {len(values)})")
+    mx, my = sum(batches) / n, sum(values) / n
+    sxx = sum((x - mx) ** 2 for x in batches)
+    if sxx == 0:
+        return 0.0, float(my), 1.0
+    a = sum((x - mx) * (y - my) for x, y in zip(batches, values)) / sxx
+    b = my - a * mx
+    ss_res = sum((y - (a * x + b)) ** 2 for x, y in zip(batches, values))
+    ss_tot = sum((y - my) ** 2 for y in values)
+    return float(a), float(b), 1.0 if ss_tot == 0 else float(1 - ss_res / ss_tot)
+
+
+def max_batch_under_budget(measure: Callable[[int], int], budget_bytes: int, max_batch: int) -> BatchFit:
+    """The largest batch <= max_batch whose measured peak, measure(batch), is <= budget_bytes.
+
+    Measures batch 1 (BudgetTooSmallError if it is over budget) and batch 8, extrapolates the
+    line through the two largest measurements to the budget until a measurement lands over
+    it, then interpolates inside the bracket (Illinois regula falsi). Every guess lies strictly
+    between the largest batch measured under budget and the smallest measured over it, so the
+    bracket shrinks each time. A linear peak takes 4 measurements, a clearly curved one ~10.
+    The answer is a measured fact: the returned batch was measured under budget and batch+1
+    was measured over it (or the batch is max_batch). The fitted line in the result is an
+    estimate over all measurements, reported beside them.
+    """
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    measured: dict[int, int] = {}
+
+    def m(batch: int) -> int:
+        if batch not in measured:
+            measured[batch] = int(measure(batch))
+            log.debug("batch %d: measured peak %s", batch, format_bytes(measured[batch]))
+        return measured[batch]
+
+    if m(1) > budget_bytes:
+        raise BudgetTooSmallError(budget_bytes, measured[1])
+    lo, hi = 1, max_batch + 1   # lo: largest batch measured under budget; hi: smallest over (max_batch+1: none)
+    if max_batch > 1:
+        if m(min(max_batch, 8)) <= budget_bytes:
+            lo = min(max_batch, 8)
+        else:
+            hi = 8
+    # Illinois-style regula falsi on the integers: when the same end of the bracket moves twice
+    # in a row (the peak is not linear here), the other end's excess over the budget is halved
+    # so the next guess lands nearer to it instead of crawling.
+    weight = {"lo": 1.0, "hi": 1.0}
+    last_moved = None
+    while hi - lo > 1:
+        if hi <= max_batch:     # bracketed: interpolate between its ends
+            f_lo = (measured[lo] - budget_bytes) * weight["lo"]
+            f_hi = (measured[hi] - budget_bytes) * weight["hi"]
+            guess = lo + math.floor((hi - lo) * -f_lo / (f_hi - f_lo))
+        else:                   # not yet: extrapolate from the two largest batches measured
+            (b1, p1), (b2, p2) = sorted(measured.items())[-2:]
+            slope = (p2 - p1) / (b2 - b1)
+            guess = b1 + math.floor((budget_bytes - p1) / slope) if slope > 0 else hi - 1
+        guess = min(max(guess, lo + 1), hi - 1)
+        moved = "lo" if m(guess) <= budget_bytes else "hi"
+        if moved == "lo":
+            lo = guess
+        else:
+            hi = guess
+        weight[moved] = 1.0
+        if moved == last_moved:
+            weight["hi" if moved == "lo" else "lo"] /= 2
+        last_moved = moved
+
+    a, b, r2 = fit_linear(list(measured), list(measured.values()))
+    return BatchFit(batch_size=lo, peak_bytes=measured[lo], budget_bytes=int(budget_bytes),
+                    measurements=sorted(measured.items()), slope_bytes_per_sample=a, intercept_bytes=b,
+                    r2=r2, min_feasible_bytes=measured[1])

@@ -1,0 +1,1 @@
+"""Orchestration: Prefect flows that run the DVC stages (dvc.yaml stays the only stage graph)."""

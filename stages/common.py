@@ -1,0 +1,42 @@
+"""What every stage script shares: logging, its params section, and clean errors for users."""
+from __future__ import annotations
+
+import argparse
+import logging
+import resource
+import sys
+from collections.abc import Callable
+
+from rich.logging import RichHandler
+
+from edgeflux.config import Params, ParamsError, load_params
+from edgeflux.data import DatasetNotFoundError
+from edgeflux.memory import BudgetTooSmallError
+
+# Errors that are the user's to fix: shown as one message, no traceback.
+USER_ERRORS = (ParamsError, DatasetNotFoundError, BudgetTooSmallError, FileNotFoundError)
+
+
+def stage_parser(description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--params", default="params.yaml", help="the params file to read (default: params.yaml)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages too")
+    return parser
+
+
+def run_stage(main: Callable[[argparse.Namespace, Params], None], parser: argparse.ArgumentParser) -> None:
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s",
+                        handlers=[RichHandler(show_path=False, rich_tracebacks=True)])
+    for noisy in ("alembic", "mlflow", "urllib3", "matplotlib"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        main(args, load_params(args.params))
+    except USER_ERRORS as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,0 +1,48 @@
+"""Stage pretrain (the cloud stage): plain backprop, no budget, on the source split.
+
+Writes one model file per entry of pretrain.models to models/pretrained/<key>.pt: the backbones
+that devices download (MobileTL and ElasticTrainer fine-tune them, MEANet's main block and its
+larger cloud model come from here). Metrics per model in metrics/pretrain.json.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from edgeflux.artifacts import save_model, write_json
+from edgeflux.backprop import train_under_budget
+from edgeflux.config import MemoryOptions
+from edgeflux.data import load_prepared, tensors
+from edgeflux.models import build_model
+from edgeflux.tracking import stage_run
+from edgeflux.train import resolve_device
+from stages.common import run_stage, stage_parser
+
+OUT = Path("models/pretrained")
+METRICS = Path("metrics/pretrain.json")
+CHECKPOINTS = Path(".edgeflux/checkpoints/pretrain")
+
+
+def main(args, params) -> None:
+    p = params.pretrain
+    data = load_prepared(Path("data/prepared"))
+    device = resolve_device(p.device)
+    train = tensors(data, "source_train", limit=p.max_train_samples)
+    val, test = tensors(data, "source_val"), tensors(data, "source_test")
+    summary = {}
+    with stage_run("pretrain", p.model_dump()) as run:
+        for spec in p.models:
+            build_args = dict(name=spec.name, num_classes=len(data.classes), in_channels=train[0].shape[1],
+                              width=spec.width, image_size=train[0].shape[-1], batch_norm=spec.batch_norm)
+            model = build_model(**build_args, pretrained_path=spec.pretrained_path)
+            result = train_under_budget(model, train, val, test, len(data.classes), p, MemoryOptions(), device,
+                                        checkpoint=CHECKPOINTS / f"{spec.key}.pt", desc=f"pretrain {spec.key}")
+            summary[spec.key] = result.metrics()
+            save_model(OUT / f"{spec.key}.pt", model, build_args, meta={"stage": "pretrain", **summary[spec.key]})
+            run.log_metrics({f"{spec.key}.{k}": v for k, v in summary[spec.key].items()})
+        write_json(METRICS, summary)
+        run.log_metrics({"peak_mem_bytes": max(m["peak_mem_bytes"] for m in summary.values())})
+        run.log_artifact(METRICS)
+
+
+if __name__ == "__main__":
+    run_stage(main, stage_parser(__doc__))

@@ -1,0 +1,56 @@
+"""Stage train_bp: standard backpropagation on the device (target) data under a memory budget.
+
+Uses the largest batch whose measured training-step peak fits train_bp.budget (an error gives
+the smallest feasible budget when even batch 1 does not fit). Writes models/train_bp.pt,
+metrics/train_bp.json (DVC metrics), plots/train_bp.csv (accuracy vs training time) and
+memory/train_bp.json (the measurements behind the batch size).
+"""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from edgeflux.artifacts import save_model, write_json
+from edgeflux.backprop import train_under_budget
+from edgeflux.data import load_prepared, tensors
+from edgeflux.models import build_model
+from edgeflux.tracking import stage_run
+from edgeflux.train import resolve_device
+from stages.common import run_stage, stage_parser
+
+METRICS, PLOT, MEMORY = Path("metrics/train_bp.json"), Path("plots/train_bp.csv"), Path("memory/train_bp.json")
+MODEL, CHECKPOINT = Path("models/train_bp.pt"), Path(".edgeflux/checkpoints/train_bp.pt")
+
+
+def write_history_csv(path: Path, history: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["step", "epoch", "time_s", "train_loss", "val_acc"])
+        writer.writeheader()
+        writer.writerows(history)
+
+
+def main(args, params) -> None:
+    p = params.train_bp
+    data = load_prepared(Path("data/prepared"))
+    device = resolve_device(p.device)
+    train = tensors(data, "target_train", limit=p.max_train_samples)
+    build_args = dict(name=p.model.name, num_classes=len(data.classes), in_channels=train[0].shape[1],
+                      width=p.model.width, image_size=train[0].shape[-1], batch_norm=p.model.batch_norm)
+    with stage_run("train_bp", p.model_dump()) as run:
+        model = build_model(**build_args, pretrained_path=p.model.pretrained_path)
+        result = train_under_budget(model, train, tensors(data, "target_val"), tensors(data, "target_test"),
+                                    len(data.classes), p, p, device, checkpoint=CHECKPOINT, desc="train_bp")
+        metrics = {"model": p.model.key, "device": str(device), **result.metrics()}
+        write_json(METRICS, metrics)
+        write_json(MEMORY, result.memory_report())
+        write_history_csv(PLOT, result.train.history)
+        save_model(MODEL, model, build_args, meta={"stage": "train_bp", **metrics})
+        run.log_metrics(metrics)
+        run.log_history(result.train.history)
+        for path in (METRICS, MEMORY, PLOT):
+            run.log_artifact(path)
+
+
+if __name__ == "__main__":
+    run_stage(main, stage_parser(__doc__))

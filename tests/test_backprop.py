@@ -1,0 +1,76 @@
+"""Backprop under a budget: the chosen batch's measured peak fits, the next one does not."""
+import pytest
+import torch
+
+from edgeflux.backprop import choose_batch, train_under_budget
+from edgeflux.config import MemoryOptions, TrainOptions
+from edgeflux.data import tensors
+from edgeflux.memory import BudgetTooSmallError, measure_training_peak
+from edgeflux.models import build_model
+from edgeflux.train import optimizer_factory
+
+OPTS = TrainOptions(epochs=1, batch_size=32, lr=0.05, evals_per_epoch=1, device="cpu")
+SHAPE = (1, 32, 32)
+
+
+def model():
+    torch.manual_seed(0)
+    return build_model("vgg11", num_classes=10, in_channels=1, width=0.125)
+
+
+def peak_at(m, batch):
+    return measure_training_peak(m, optimizer_factory(OPTS), SHAPE, 10, batch).peak_bytes
+
+
+def test_largest_batch_that_fits_is_chosen():
+    m = model()
+    budget = peak_at(m, 20) + 1  # a budget between batch 20 and 21 by measurement
+    batch, fitted, memory = choose_batch(m, SHAPE, 10, OPTS, MemoryOptions(budget=f"{budget}B", max_batch=256), torch.device("cpu"))
+    assert batch == 20
+    assert memory.peak_bytes == fitted.peak_bytes <= budget
+    assert peak_at(m, batch + 1) > budget
+    assert fitted.r2 > 0.99  # memory is linear in batch size (the NeuroFlux observation)
+
+
+def test_batch_is_capped_by_max_batch():
+    m = model()
+    batch, fitted, _ = choose_batch(m, SHAPE, 10, OPTS, MemoryOptions(budget="1GB", max_batch=16), torch.device("cpu"))
+    assert batch == 16 and fitted.peak_bytes <= 10**9
+
+
+def test_budget_below_batch_one_says_the_smallest_feasible_budget():
+    m = model()
+    need = peak_at(m, 1)
+    with pytest.raises(BudgetTooSmallError) as err:
+        choose_batch(m, SHAPE, 10, OPTS, MemoryOptions(budget=f"{need - 1}B"), torch.device("cpu"))
+    assert str(need) in str(err.value).replace(",", "") or f"{need:,}" in str(err.value)
+
+
+def test_train_under_budget_reports_measured_figures(mnist_subset):
+    m = model()
+    budget = peak_at(m, 48) + 1
+    run = train_under_budget(m, tensors(mnist_subset, "train", limit=960), tensors(mnist_subset, "val", limit=200),
+                             tensors(mnist_subset, "test", limit=200), 10, OPTS, MemoryOptions(budget=f"{budget}B"),
+                             torch.device("cpu"))
+    metrics = run.metrics()
+    assert metrics["batch_size"] == 48 and metrics["peak_mem_bytes"] <= metrics["budget_bytes"] == budget
+    assert metrics["steps"] == 20 and 0.1 < metrics["test_acc"] <= 1.0
+    assert metrics["params"] == sum(p.numel() for p in m.parameters())
+
+
+def test_evaluation_at_the_training_batch_stays_under_the_training_peak(mnist_subset):
+    from edgeflux.memory import track_live_tensors
+    from edgeflux.train import evaluate
+
+    m = model()
+    step_peak = peak_at(m, 32)
+    # the state a model is in mid-training: gradients and momentum buffers alive
+    opt = optimizer_factory(OPTS)(m.parameters())
+    x, y = tensors(mnist_subset, "val", limit=96)
+    torch.nn.functional.cross_entropy(m(x[:32]), y[:32]).backward()
+    opt.step()
+    state = list(m.parameters()) + [p.grad for p in m.parameters()] + [
+        t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    with track_live_tensors(seed=state + [x, y]) as tracker:
+        evaluate(m, x, y, batch_size=32)
+    assert 0 < tracker.peak_bytes < step_peak

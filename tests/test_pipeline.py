@@ -1,0 +1,163 @@
+"""The DVC pipeline end to end, CI-sized: repro, no-op repro, exp run -S, and user errors."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+QUICK = {
+    "data": {"dataset": "mnist-subset", "seed": 0},
+    "pretrain": {"models": [{"name": "vgg11", "width": 0.125}], "epochs": 1, "max_train_samples": 400,
+                 "batch_size": 64, "evals_per_epoch": 1, "device": "cpu"},
+    "train_bp": {"model": {"name": "vgg11", "width": 0.125}, "budget": "3MB", "max_batch": 64, "epochs": 1,
+                 "max_train_samples": 400, "evals_per_epoch": 2, "device": "cpu"},
+}
+
+
+def sh(cmd, cwd, check=True):
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # stages use the project's mlflow.db
+    env = {**env, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    out = subprocess.run(cmd, cwd=cwd, shell=True, env=env, capture_output=True, text=True, timeout=600)
+    if check and out.returncode != 0:
+        raise AssertionError(f"{cmd} failed ({out.returncode}):\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """A fresh git + DVC repository holding this project's pipeline, with CI-sized params."""
+    root = tmp_path_factory.mktemp("project")
+    for item in ("edgeflux", "stages", "dvc.yaml"):
+        src = REPO / item
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, root / item)
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    for section, values in QUICK.items():
+        params[section].update(values)
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    (root / ".gitignore").write_text("mlflow.db\nmlruns/\n.edgeflux/\n__pycache__/\n")
+    sh("git init -q && dvc init -q && dvc config core.analytics false && git add -A && git commit -qm init", root)
+    return root
+
+
+def test_repro_then_noop_then_exp_run(project):
+    first = sh("dvc repro", project)
+    for stage in ("prepare", "pretrain", "train_bp", "report"):
+        assert f"Running stage '{stage}'" in first.stdout
+    metrics = json.loads((project / "metrics/train_bp.json").read_text())
+    assert metrics["peak_mem_bytes"] <= metrics["budget_bytes"] == 3_000_000
+    assert 1 <= metrics["batch_size"] <= 64 and metrics["test_acc"] > 0.2
+    assert (project / "models/pretrained/vgg11-w0.125.pt").exists()
+    curve = (project / "plots/train_bp.csv").read_text().splitlines()
+    assert curve[0] == "step,epoch,time_s,train_loss,val_acc" and len(curve) == 3
+    assert "| train_bp | target (device) | vgg11-w0.125 |" in (project / "reports/summary.md").read_text()
+    assert (project / "reports/accuracy_vs_time.png").stat().st_size > 10_000
+
+    second = sh("dvc repro", project)
+    assert "Running stage" not in second.stdout
+    assert "Data and pipelines are up to date" in second.stdout
+
+    sh("git add -A && git commit -qm 'first run'", project)
+    exp = sh("dvc exp run -S train_bp.lr=0.01", project)
+    assert "Running stage 'train_bp'" in exp.stdout and "Running stage 'report'" in exp.stdout
+    assert "Running stage 'pretrain'" not in exp.stdout and "Running stage 'prepare'" not in exp.stdout
+    shown = sh("dvc exp show --json", project).stdout
+    assert '"lr": 0.01' in shown
+
+    # every stage logged as a child of one pipeline run per `dvc repro`
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    exp_id = client.get_experiment_by_name("edgeflux").experiment_id
+    runs = client.search_runs([exp_id])
+    parents = {r.info.run_id for r in runs if r.data.tags["edgeflux.kind"] == "pipeline"}
+    first_children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") in parents]
+    assert len(parents) == 2  # the first repro and the exp run
+    assert sorted(r.data.tags["edgeflux.stage"] for r in first_children) == sorted(
+        ["prepare", "pretrain", "train_bp", "report", "train_bp", "report"])
+    bp = [r for r in first_children if r.data.tags["edgeflux.stage"] == "train_bp"]
+    assert {r.data.params["lr"] for r in bp} == {"0.05", "0.01"}
+    assert all(r.data.metrics["peak_mem_bytes"] <= 3_000_000 for r in bp)
+
+
+def test_bad_params_stop_with_a_clear_error(project):
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["train_bp"]["budget"] = 300
+    bad = project / "bad_params.yaml"
+    bad.write_text(yaml.safe_dump(params))
+    out = sh(f"python -m stages.train_bp --params {bad.name}", project, check=False)
+    assert out.returncode == 2
+    assert "train_bp.budget = 300: a memory size needs a unit" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_budget_below_batch_one_stops_with_smallest_feasible(project):
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["train_bp"]["budget"] = "10KB"
+    (project / "tiny_budget.yaml").write_text(yaml.safe_dump(params))
+    out = sh("python -m stages.train_bp --params tiny_budget.yaml", project, check=False)
+    assert out.returncode == 2 and "smallest feasible budget" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_missing_dataset_gives_install_command(project, tmp_path):
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["data"].update(dataset="fashion-mnist", root=str(tmp_path / "nowhere"))
+    (project / "missing.yaml").write_text(yaml.safe_dump(params))
+    env_home = f"EDGEFLUX_DATA_DIR={tmp_path / 'empty'}"
+    out = sh(f"{env_home} python -c \"import edgeflux.data as d, pathlib, runpy, sys; "
+             f"d.DEBIAN_FASHION_MNIST = pathlib.Path('{tmp_path / 'none'}'); "
+             f"sys.argv = ['prepare', '--params', 'missing.yaml']; runpy.run_module('stages.prepare', run_name='__main__')\"",
+             project, check=False)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "apt-get install -y dataset-fashion-mnist" in out.stderr and "download" in out.stderr
+
+
+def test_stage_graph_is_read_from_dvc_yaml():
+    from pipeline.flows import stage_graph, stages_for
+
+    graph = stage_graph(REPO / "dvc.yaml")
+    assert graph == {"prepare": set(), "pretrain": {"prepare"}, "train_bp": {"prepare"},
+                     "report": {"pretrain", "train_bp"}}
+    assert stages_for("train_bp", graph) == ["prepare", "train_bp"]
+    assert stages_for(None, graph)[-1] == "report"
+    with pytest.raises(ValueError, match="unknown stage 'trian_bp'"):
+        stages_for("trian_bp", graph)
+
+
+@pytest.fixture
+def prefect_server():
+    """A temporary Prefect server for the test, stopped before pytest closes its output."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def test_prefect_flow_runs_the_dvc_stages(project, monkeypatch, prefect_server):
+    """The flow runs `dvc repro` per stage in order; a changed param reruns only its stage."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.flows import pipeline
+
+    sh("dvc repro", project)  # up to date (or made so) before the change
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["train_bp"]["epochs"] = 2
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    monkeypatch.chdir(project)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    assert pipeline("train_bp") == ["prepare", "train_bp"]
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("edgeflux").experiment_id],
+                              filter_string="tags.`edgeflux.pipeline_id` LIKE 'prefect:%'")
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    children = client.search_runs([runs[0].info.experiment_id],
+                                  filter_string=f"tags.`mlflow.parentRunId` = '{runs[0].info.run_id}'")
+    assert [c.data.tags["edgeflux.stage"] for c in children] == ["train_bp"]
+    assert children[0].data.params["epochs"] == "2"

@@ -1,0 +1,69 @@
+"""The shared backprop loop: it learns, and an interrupted run resumes to the same weights."""
+import pytest
+import torch
+
+from edgeflux.config import TrainOptions
+from edgeflux.data import tensors
+from edgeflux.models import build_model
+from edgeflux.train import evaluate, fit
+
+OPTS = TrainOptions(epochs=2, batch_size=64, lr=0.05, evals_per_epoch=2, seed=3, device="cpu")
+
+
+def small_model(data):
+    return build_model("vgg11", num_classes=len(data.classes), in_channels=1, width=0.125)
+
+
+def test_fit_learns_real_digits(mnist_subset):
+    train, val = tensors(mnist_subset, "train", limit=1500), tensors(mnist_subset, "val")
+    model = small_model(mnist_subset)
+    before = evaluate(model, *val)
+    result = fit(model, train, val, OPTS, batch_size=64)
+    assert result.steps == 2 * 24 and result.epochs_done == 2
+    assert [round(r["epoch"], 2) for r in result.history] == [0.5, 1.0, 1.5, 2.0]
+    times = [r["time_s"] for r in result.history]
+    assert times == sorted(times) and times[-1] <= result.train_time_s < times[-1] + 1.0
+    assert result.history[-1]["val_acc"] > max(0.6, before + 0.3)
+
+
+class Interrupt(Exception):
+    pass
+
+
+def test_interrupted_run_resumes_to_identical_weights(mnist_subset, tmp_path):
+    train, val = tensors(mnist_subset, "train", limit=600), tensors(mnist_subset, "val", limit=200)
+    reference = small_model(mnist_subset)
+    torch.manual_seed(0)
+    initial = {k: v.clone() for k, v in reference.state_dict().items()}
+    fit(reference, train, val, OPTS, batch_size=64)
+
+    ckpt = tmp_path / "ckpt.pt"
+    interrupted = small_model(mnist_subset)
+    interrupted.load_state_dict(initial)
+
+    def stop_after_first_epoch(epoch, result):
+        if epoch == 0:
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        fit(interrupted, train, val, OPTS, batch_size=64, checkpoint=ckpt, on_epoch_end=stop_after_first_epoch)
+    assert ckpt.exists()
+    resumed = small_model(mnist_subset)  # a fresh process would start from fresh weights
+    result = fit(resumed, train, val, OPTS, batch_size=64, checkpoint=ckpt)
+    assert result.resumed_from_epoch == 1 and result.epochs_done == 2
+    assert not ckpt.exists()
+    for (name, a), b in zip(reference.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_checkpoint_of_other_config_is_not_resumed(mnist_subset, tmp_path):
+    train, val = tensors(mnist_subset, "train", limit=200), tensors(mnist_subset, "val", limit=100)
+    ckpt = tmp_path / "ckpt.pt"
+    one_epoch = OPTS.model_copy(update={"epochs": 1})
+    with pytest.raises(Interrupt):
+        fit(small_model(mnist_subset), train, val, OPTS, batch_size=64, checkpoint=ckpt,
+            on_epoch_end=lambda e, r: (_ for _ in ()).throw(Interrupt()))
+    result = fit(small_model(mnist_subset), train, val, one_epoch.model_copy(update={"lr": 0.01}), 64, checkpoint=ckpt)
+    assert result.resumed_from_epoch == 0
+    ckpt.write_bytes(b"truncated")
+    assert fit(small_model(mnist_subset), train, val, one_epoch, 64, checkpoint=ckpt).resumed_from_epoch == 0
