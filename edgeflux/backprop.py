@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from edgeflux.config import MemoryOptions, TrainOptions
-from edgeflux.memory import BatchFit, StepMemory, format_bytes, max_batch_under_budget, measure_training_peak
+from edgeflux.memory import BatchFit, StepContext, StepMemory, format_bytes, max_batch_under_budget, measure_training_peak
 from edgeflux.train import TrainResult, evaluate, fit, optimizer_factory
 
 log = logging.getLogger(__name__)
@@ -54,21 +54,28 @@ class BudgetedRun:
                 "batch_fit": asdict(self.batch_fit) if self.batch_fit is not None else None}
 
 
-def choose_batch(model: nn.Module, sample_shape: tuple[int, ...], num_classes: int, opts: TrainOptions,
-                 memory: MemoryOptions, device: torch.device) -> tuple[int, BatchFit | None, StepMemory]:
-    """The largest batch (≤ memory.max_batch) whose measured training-step peak fits memory.budget."""
+def choose_batch(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor], num_classes: int, opts: TrainOptions,
+                 memory: MemoryOptions, device: torch.device,
+                 context: StepContext | None = None) -> tuple[int, BatchFit | None, StepMemory]:
+    """The largest batch (≤ memory.max_batch) whose measured training-step peak fits memory.budget.
+
+    Steps are measured on real training samples, under the same activation context as training.
+    """
     make_opt = optimizer_factory(opts)
     measured: dict[int, StepMemory] = {}
+    sample_shape = tuple(train[0].shape[1:])
+    max_batch = min(memory.max_batch, len(train[0]))
 
     def peak(batch: int) -> int:
-        measured[batch] = measure_training_peak(model, make_opt, sample_shape, num_classes, batch, device=device)
+        measured[batch] = measure_training_peak(model, make_opt, sample_shape, num_classes, batch, device=device,
+                                                data=train, context=context)
         log.info("measured peak at batch %d: %s", batch, format_bytes(measured[batch].peak_bytes))
         return measured[batch].peak_bytes
 
     if memory.budget is None:
         peak(opts.batch_size)
         return opts.batch_size, None, measured[opts.batch_size]
-    fitted = max_batch_under_budget(peak, memory.budget, memory.max_batch)
+    fitted = max_batch_under_budget(peak, memory.budget, max_batch)
     log.info("budget %s: batch %d fits (measured peak %s; batch 1 needs %s)", format_bytes(memory.budget),
              fitted.batch_size, format_bytes(fitted.peak_bytes), format_bytes(fitted.min_feasible_bytes))
     return fitted.batch_size, fitted, measured[fitted.batch_size]
@@ -77,9 +84,10 @@ def choose_batch(model: nn.Module, sample_shape: tuple[int, ...], num_classes: i
 def train_under_budget(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor], val: tuple[torch.Tensor, torch.Tensor],
                        test: tuple[torch.Tensor, torch.Tensor], num_classes: int, opts: TrainOptions,
                        memory: MemoryOptions, device: torch.device, checkpoint: Path | None = None,
-                       desc: str = "backprop") -> BudgetedRun:
-    batch, batch_fit, step_memory = choose_batch(model, tuple(train[0].shape[1:]), num_classes, opts, memory, device)
-    result = fit(model, train, val, opts, batch, device=device, checkpoint=checkpoint, desc=f"{desc} (batch {batch})")
+                       desc: str = "backprop", context: StepContext | None = None) -> BudgetedRun:
+    batch, batch_fit, step_memory = choose_batch(model, train, num_classes, opts, memory, device, context)
+    result = fit(model, train, val, opts, batch, device=device, checkpoint=checkpoint, desc=f"{desc} (batch {batch})",
+                 context=context)
     test_acc = evaluate(model, *test, batch_size=batch, device=device)
     log.info("%s: test accuracy %.4f after %.1fs of training", desc, test_acc, result.train_time_s)
     return BudgetedRun(batch, batch_fit, step_memory, result, test_acc, sum(p.numel() for p in model.parameters()))

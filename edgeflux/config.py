@@ -105,11 +105,22 @@ class TrainOptions(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
 
+class BitTrainParams(_Section):
+    """BitTrain: store saved activations as sparse bitmaps (edgeflux.bittrain)."""
+
+    enabled: bool = False
+    threshold: float = Field(0.0, ge=0)   # 0: exact (bit-identical gradients); > 0 prunes |x| < threshold
+    min_bytes: int = Field(4096, ge=0)    # smaller saved tensors stay dense
+    store_dtype: Literal["float16"] | None = None   # store non-zero values in fp16 (approximate)
+    double_mask: bool = False
+
+
 class MemoryOptions(_Section):
     """The memory options every budgeted trainer takes (composable across techniques)."""
 
     budget: Bytes | None = None
     max_batch: int = Field(256, ge=1)
+    bittrain: BitTrainParams = BitTrainParams()
 
 
 class PretrainParams(TrainOptions):

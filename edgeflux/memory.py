@@ -42,7 +42,7 @@ import math
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
@@ -406,13 +406,29 @@ def _cuda_peak(step: Callable[[], Any], device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device)
 
 
+StepContext = Callable[[nn.Module], AbstractContextManager]
+
+
+def no_context(model: nn.Module) -> AbstractContextManager:
+    """The StepContext of plain training: nothing changes how activations are saved."""
+    return nullcontext()
+
+
 def training_step_fn(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor,
-                     loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy) -> Callable[[], float]:
-    """One standard training step as a closure: zero_grad(set_to_none), forward, loss, backward, step."""
+                     loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy,
+                     context: StepContext | None = None) -> Callable[[], float]:
+    """One standard training step as a closure: zero_grad(set_to_none), forward, loss, backward, step.
+
+    context(model): entered around forward and backward (e.g. BitTrain's compressed saved
+    activations), so a measured step stores activations exactly as the trainer does.
+    """
+    context = context or no_context
+
     def step() -> float:
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
-        loss.backward()
+        with context(model):
+            loss = loss_fn(model(x), y)
+            loss.backward()
         optimizer.step()
         return loss.item()
     return step
@@ -420,12 +436,16 @@ def training_step_fn(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tens
 
 def measure_training_peak(model: nn.Module, optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
                           sample_shape: Sequence[int], num_classes: int, batch: int,
-                          device: str | torch.device = "cpu") -> StepMemory:
+                          device: str | torch.device = "cpu", data: tuple[Tensor, Tensor] | None = None,
+                          context: StepContext | None = None) -> StepMemory:
     """Measure one steady-state training step of a copy of `model` at batch size `batch`.
 
     A deep copy and a fresh optimizer take one warm-up step first, so that optimizer state
-    (SGD momentum, Adam moments) exists as it does during training; the next step, on random
-    inputs of shape [batch, *sample_shape] and random labels, is measured. `model` is untouched.
+    (SGD momentum, Adam moments) exists as it does during training; the next step is measured.
+    Inputs: the first `batch` samples of `data` when given (real images: activation sparsity,
+    which compressed storage depends on, is that of the data), else random inputs of shape
+    [batch, *sample_shape] and random labels. `context` wraps forward and backward as in
+    training (see training_step_fn). `model` is untouched.
     """
     device = torch.device(device)
     net = copy.deepcopy(model).to(device).train()
@@ -433,14 +453,18 @@ def measure_training_peak(model: nn.Module, optimizer_factory: Callable[[Iterabl
     gen = torch.Generator().manual_seed(batch)
 
     def batch_tensors() -> tuple[Tensor, Tensor]:
+        if data is not None:
+            if len(data[0]) < batch:
+                raise ValueError(f"cannot measure batch {batch} on {len(data[0])} samples")
+            return data[0][:batch].clone().to(device), data[1][:batch].clone().to(device)
         x = torch.randn(batch, *sample_shape, generator=gen).to(device)
         y = torch.randint(0, num_classes, (batch,), generator=gen).to(device)
         return x, y
 
-    training_step_fn(net, optimizer, *batch_tensors())()   # warm-up: creates the optimizer state
+    training_step_fn(net, optimizer, *batch_tensors(), context=context)()   # warm-up: creates the optimizer state
     x, y = batch_tensors()
     units = list(zip(net.unit_names, net.units)) if hasattr(net, "units") and hasattr(net, "unit_names") else None
-    return measure_step(training_step_fn(net, optimizer, x, y), model=net, optimizer=optimizer,
+    return measure_step(training_step_fn(net, optimizer, x, y, context=context), model=net, optimizer=optimizer,
                         inputs=(x, y), units=units, device=device)
 
 

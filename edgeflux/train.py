@@ -29,6 +29,7 @@ from torch import nn
 
 from edgeflux.config import TrainOptions
 from edgeflux.data import batches
+from edgeflux.memory import StepContext, no_context
 
 log = logging.getLogger(__name__)
 
@@ -117,13 +118,18 @@ def progress_bar() -> Progress:
 def fit(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor], val: tuple[torch.Tensor, torch.Tensor],
         opts: TrainOptions, batch_size: int, *, device: torch.device | str = "cpu",
         checkpoint: Path | None = None, signature: str = "", desc: str = "train",
-        on_epoch_end: Callable[[int, TrainResult], None] | None = None) -> TrainResult:
+        on_epoch_end: Callable[[int, TrainResult], None] | None = None,
+        context: StepContext | None = None) -> TrainResult:
     """Train ``model`` in place for ``opts.epochs`` epochs at ``batch_size``.
+
+    ``context(model)`` is entered around each forward and backward (how activations are saved,
+    e.g. BitTrain); the batch-size measurement uses the same one.
 
     ``on_epoch_end(epoch, result)`` runs after each epoch's checkpoint is written (tests use it to
     interrupt a run). Deletes the checkpoint when training completes.
     """
     device = torch.device(device)
+    context = context or no_context
     model.to(device).train()
     x_train, y_train = train
     steps_per_epoch = math.ceil(len(x_train) / batch_size)
@@ -155,8 +161,9 @@ def fit(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor], val: tuple[t
             for i, (xb, yb) in enumerate(loader, start=1):
                 xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
                 optimizer.zero_grad(set_to_none=True)
-                loss = F.cross_entropy(model(xb), yb)
-                loss.backward()
+                with context(model):
+                    loss = F.cross_entropy(model(xb), yb)
+                    loss.backward()
                 optimizer.step()
                 scheduler.step()
                 result.steps += 1

@@ -11,6 +11,7 @@ from edgeflux.train import optimizer_factory
 
 OPTS = TrainOptions(epochs=1, batch_size=32, lr=0.05, evals_per_epoch=1, device="cpu")
 SHAPE = (1, 32, 32)
+DATA = (torch.randn(256, *SHAPE, generator=torch.Generator().manual_seed(0)), torch.randint(0, 10, (256,)))
 
 
 def model():
@@ -18,14 +19,14 @@ def model():
     return build_model("vgg11", num_classes=10, in_channels=1, width=0.125)
 
 
-def peak_at(m, batch):
-    return measure_training_peak(m, optimizer_factory(OPTS), SHAPE, 10, batch).peak_bytes
+def peak_at(m, batch, data=DATA):
+    return measure_training_peak(m, optimizer_factory(OPTS), SHAPE, 10, batch, data=data).peak_bytes
 
 
 def test_largest_batch_that_fits_is_chosen():
     m = model()
     budget = peak_at(m, 20) + 1  # a budget between batch 20 and 21 by measurement
-    batch, fitted, memory = choose_batch(m, SHAPE, 10, OPTS, MemoryOptions(budget=f"{budget}B", max_batch=256), torch.device("cpu"))
+    batch, fitted, memory = choose_batch(m, DATA, 10, OPTS, MemoryOptions(budget=f"{budget}B", max_batch=256), torch.device("cpu"))
     assert batch == 20
     assert memory.peak_bytes == fitted.peak_bytes <= budget
     assert peak_at(m, batch + 1) > budget
@@ -34,7 +35,7 @@ def test_largest_batch_that_fits_is_chosen():
 
 def test_batch_is_capped_by_max_batch():
     m = model()
-    batch, fitted, _ = choose_batch(m, SHAPE, 10, OPTS, MemoryOptions(budget="1GB", max_batch=16), torch.device("cpu"))
+    batch, fitted, _ = choose_batch(m, DATA, 10, OPTS, MemoryOptions(budget="1GB", max_batch=16), torch.device("cpu"))
     assert batch == 16 and fitted.peak_bytes <= 10**9
 
 
@@ -42,7 +43,7 @@ def test_budget_below_batch_one_says_the_smallest_feasible_budget():
     m = model()
     need = peak_at(m, 1)
     with pytest.raises(BudgetTooSmallError) as err:
-        choose_batch(m, SHAPE, 10, OPTS, MemoryOptions(budget=f"{need - 1}B"), torch.device("cpu"))
+        choose_batch(m, DATA, 10, OPTS, MemoryOptions(budget=f"{need - 1}B"), torch.device("cpu"))
     assert str(need) in str(err.value).replace(",", "") or f"{need:,}" in str(err.value)
 
 
