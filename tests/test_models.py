@@ -285,3 +285,15 @@ def test_missing_weights_file(tmp_path):
     assert str(tmp_path / "nope.pth") in str(err.value)
     with pytest.raises(FileNotFoundError):
         build_model("vgg11", pretrained_path=tmp_path / "nope.pth")
+
+
+def test_seed_gives_the_same_weights_and_leaves_the_global_rng_alone():
+    torch.manual_seed(123)
+    expected_next = torch.rand(3)
+    torch.manual_seed(123)
+    a = build_model("resnet18", width=0.125, seed=7)
+    assert torch.equal(torch.rand(3), expected_next)
+    b = build_model("resnet18", width=0.125, seed=7)
+    c = build_model("resnet18", width=0.125, seed=8)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert not all(torch.equal(x, y) for x, y in zip(a.parameters(), c.parameters()))

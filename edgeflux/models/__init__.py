@@ -12,6 +12,8 @@ import logging
 import math
 from pathlib import Path
 
+import torch
+
 from .mobilenet import build_mobilenet
 from .resnet import build_resnet18
 from .units import UNIT_KINDS, UnitInfo, UnitModel, count_params, eval_mode
@@ -45,8 +47,12 @@ def build_model(
     image_size: int = 32,
     batch_norm: bool = True,
     pretrained_path: str | Path | None = None,
+    seed: int | None = None,
 ) -> UnitModel:
     """Build zoo model `name` as a UnitModel.
+
+    seed: initialise the weights from this seed (the global RNG is left as it was), so the same
+    params give the same model in every run; None draws from the global RNG.
 
     width scales channels (VGG/ResNet: max(8, round(c * width)); MobileNets: torchvision's
     width_mult). batch_norm=False exists for VGG only (BitTrain's BN-free variant).
@@ -62,12 +68,15 @@ def build_model(
     if not batch_norm and not name.startswith("vgg"):
         raise ValueError(f"batch_norm=False is only available for VGG models, not {name!r}")
 
-    if name.startswith("vgg"):
-        model = build_vgg(name, num_classes, in_channels, width, image_size, batch_norm)
-    elif name == "resnet18":
-        model = build_resnet18(num_classes, in_channels, width, image_size)
-    else:
-        model = build_mobilenet(name, num_classes, in_channels, width, image_size)
+    with torch.random.fork_rng(devices=[], enabled=seed is not None):
+        if seed is not None:
+            torch.manual_seed(seed)
+        if name.startswith("vgg"):
+            model = build_vgg(name, num_classes, in_channels, width, image_size, batch_norm)
+        elif name == "resnet18":
+            model = build_resnet18(num_classes, in_channels, width, image_size)
+        else:
+            model = build_mobilenet(name, num_classes, in_channels, width, image_size)
     log.info(
         "built %s: width %g, %d units, %d params, %d classes, %d input channels",
         name, width, len(model.units), count_params(model), num_classes, in_channels,
