@@ -43,6 +43,10 @@ class BudgetedRun:
             "test_acc": self.test_acc,
             "params": self.params,
         }
+        if storage := self.step_memory.activation_storage:   # e.g. BitTrain: saved bytes dense vs as stored
+            total = storage["total"]
+            out.update(saved_dense_bytes=total["dense_bytes"], saved_stored_bytes=total["stored_bytes"],
+                       saved_reduction=total["reduction"], activation_sparsity=total["sparsity"])
         if self.batch_fit is not None:
             out.update(budget_bytes=self.batch_fit.budget_bytes, min_feasible_bytes=self.batch_fit.min_feasible_bytes,
                        fit_slope_bytes_per_sample=self.batch_fit.slope_bytes_per_sample,

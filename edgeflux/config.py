@@ -12,6 +12,7 @@ A bare number is refused, because ``300`` could mean bytes or megabytes.
 from __future__ import annotations
 
 import re
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -106,13 +107,34 @@ class TrainOptions(_Section):
 
 
 class BitTrainParams(_Section):
-    """BitTrain: store saved activations as sparse bitmaps (edgeflux.bittrain)."""
+    """BitTrain: store saved activations as sparse bitmaps (edgeflux.bittrain, which exports this
+    class as BitTrainOptions). ``context`` is an edgeflux.memory StepContext: pass it to any trainer."""
 
     enabled: bool = False
     threshold: float = Field(0.0, ge=0)   # 0: exact (bit-identical gradients); > 0 prunes |x| < threshold
     min_bytes: int = Field(4096, ge=0)    # smaller saved tensors stay dense
-    store_dtype: Literal["float16"] | None = None   # store non-zero values in fp16 (approximate)
-    double_mask: bool = False
+    store_dtype: Literal["float16", "bfloat16", "float32", "float64"] | None = None   # non-zero values' dtype
+    double_mask: bool = False             # BatchNorm/activation mask propagation (edgeflux.bittrain.doublemask)
+
+    @property
+    def exact(self) -> bool:
+        """True when gradients are bit-identical to plain training (no pruning, no fp16, no approximate rule)."""
+        return not self.enabled or (self.threshold == 0 and self.store_dtype is None and not self.double_mask)
+
+    def context(self, units: Any = None) -> AbstractContextManager:
+        """A compressed_activations context for these options, or nullcontext() when disabled.
+
+        units: the model (or (name, module) pairs), for per-unit accounting.
+        """
+        if not self.enabled:
+            return nullcontext()
+        from edgeflux.bittrain import compressed_activations  # lazy: edgeflux.bittrain imports this module
+
+        return compressed_activations(threshold=self.threshold, min_bytes=self.min_bytes,
+                                      store_dtype=self.store_dtype, double_mask=self.double_mask, units=units)
+
+    def to_dict(self) -> dict:
+        return self.model_dump()
 
 
 class MemoryOptions(_Section):

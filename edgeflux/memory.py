@@ -188,36 +188,114 @@ def track_live_tensors(seed: Iterable[Tensor] = (), track_inputs: bool = True) -
 
 # ----------------------------------------------------------------------------- saved for backward
 
-class SavedTensorCounter:
-    """Bytes saved for backward, deduplicated by storage, persistent tensors excluded, per unit."""
+UnitsArg = nn.Module | Sequence[tuple[str, nn.Module]] | None
 
-    def __init__(self, unit_names: Sequence[str], exclude: Iterable[Tensor]) -> None:
-        self.total_bytes = 0
-        self.by_unit: dict[str, int] = {name: 0 for name in unit_names} | {OUTSIDE_UNITS: 0}
+
+def resolve_units(units: UnitsArg) -> tuple[list[tuple[str, nn.Module]], list[nn.Module]]:
+    """(name, module) pairs to attribute to, and the modules whose parameters/buffers they cover.
+
+    units: None (no attribution); a UnitModel (its unit_names/units); any other nn.Module (its
+    named children, or the module itself when it has none); or (name, module) pairs.
+    """
+    if units is None:
+        return [], []
+    if isinstance(units, nn.Module):
+        if hasattr(units, "units") and hasattr(units, "unit_names"):
+            return list(zip(units.unit_names, units.units)), [units]
+        children = list(units.named_children())
+        return (children or [(type(units).__name__, units)]), [units]
+    pairs = list(units)
+    for pair in pairs:
+        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[1], nn.Module)):
+            raise TypeError(f"units must be a module or (name, module) pairs, got an element {pair!r}")
+    return pairs, [m for _, m in pairs]
+
+
+class UnitTracker:
+    """Which unit's forward is running, for saved-tensor attribution.
+
+        with UnitTracker([("conv1", m1), ("conv2", m2)]) as where:
+            ...                       # inside a saved_tensors_hooks pack hook: where.current
+
+    A saved tensor belongs to the innermost unit whose forward is running when autograd saves
+    it, or to OUTSIDE_UNITS (e.g. the loss). One tracker for SavedTensorCounter and BitTrain's
+    accounting, so both attribute the same tensor to the same unit.
+    """
+
+    def __init__(self, units: Sequence[tuple[str, nn.Module]]) -> None:
+        self.units = list(units)
         self._stack: list[str] = []
-        # Pin the excluded storages so their ids stay unique (they are alive anyway).
-        self._excluded = {id(st): st for st in map(_storage, exclude) if st is not None}
-        self._seen: dict[int, weakref.ref] = {}
+        self._handles: list[Any] = []
 
-    # Module hooks; they return None so that inputs and outputs pass through unchanged.
+    @property
+    def current(self) -> str:
+        """The innermost running unit, or OUTSIDE_UNITS."""
+        return self._stack[-1] if self._stack else OUTSIDE_UNITS
+
     def _enter(self, name: str, _module: nn.Module, _inputs: Any) -> None:
         self._stack.append(name)
 
     def _exit(self, _module: nn.Module, _inputs: Any, _output: Any) -> None:
-        self._stack.pop()
+        if self._stack:
+            self._stack.pop()
 
-    def pack(self, t: Tensor) -> Tensor:
-        if isinstance(t, nn.Parameter):
-            return t
+    def __enter__(self) -> UnitTracker:
+        for name, module in self.units:
+            self._handles.append(module.register_forward_pre_hook(partial(self._enter, name)))
+            # always_call: a forward that raises still pops its name
+            self._handles.append(module.register_forward_hook(self._exit, always_call=True))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._stack.clear()
+
+
+class SavedTensorModifiedError(RuntimeError):
+    """A tensor saved for backward was modified in place before backward used it."""
+
+
+def check_saved_version(t: Tensor, saved_version: int) -> Tensor:
+    """Autograd's own in-place check, which custom saved-tensor hooks otherwise switch off."""
+    if t._version != saved_version:
+        raise SavedTensorModifiedError(
+            f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"[{t.dtype}{list(t.shape)}] is at version {t._version}; expected version {saved_version} "
+            f"(checked by edgeflux, whose saved-tensor hooks replace autograd's own check). "
+            f"Avoid modifying tensors in place between forward and backward, e.g. use an out-of-place op")
+    return t
+
+
+class SavedTensorCounter:
+    """Bytes saved for backward, deduplicated by storage, persistent tensors excluded, per unit."""
+
+    def __init__(self, units: Sequence[tuple[str, nn.Module]], exclude: Iterable[Tensor]) -> None:
+        self.total_bytes = 0
+        self.by_unit: dict[str, int] = {name: 0 for name, _ in units} | {OUTSIDE_UNITS: 0}
+        self.where = UnitTracker(units)
+        # Pin the excluded storages so their ids stay unique (they are alive anyway).
+        self._excluded = {id(st): st for st in map(_storage, exclude) if st is not None}
+        self._seen: dict[int, weakref.ref] = {}
+
+    def pack(self, t: Tensor) -> tuple[Tensor, int]:
+        # detach: returning t itself would make an op's saved output hold its own grad_fn (a
+        # reference cycle that outlives the step); the version restores autograd's in-place check.
+        packed = (t if isinstance(t, nn.Parameter) else t.detach(), t._version)
         st = _storage(t)
-        if st is None or id(st) in self._excluded or id(st) in self._seen:
-            return t
+        if isinstance(t, nn.Parameter) or st is None or id(st) in self._excluded or id(st) in self._seen:
+            return packed
         key = id(st)
         self._seen[key] = weakref.ref(st, lambda _r, k=key: self._seen.pop(k, None))
         self.total_bytes += st.nbytes()
-        unit = self._stack[-1] if self._stack else OUTSIDE_UNITS
+        unit = self.where.current
         self.by_unit[unit] = self.by_unit.get(unit, 0) + st.nbytes()
-        return t
+        return packed
+
+    @staticmethod
+    def unpack(packed: tuple[Tensor, int]) -> Tensor:
+        return check_saved_version(*packed)
 
 
 @contextmanager
@@ -226,23 +304,15 @@ def count_saved_tensors(units: Sequence[tuple[str, nn.Module]] | None = None,
     """Count the bytes autograd saves for backward inside the block.
 
     units: (name, module) pairs; a saved tensor is attributed to the innermost unit whose
-    forward is running, or to OUTSIDE_UNITS (e.g. the loss), so by_unit sums to total_bytes. params: tensors whose storage is not
-    counted when saved (parameters, buffers); nn.Parameter instances are always excluded.
-    Saved tensors are returned unchanged, so training is unaffected. An inner
-    saved_tensors_hooks (e.g. BitTrain's) takes precedence, and then this counter sees nothing.
+    forward is running, or to OUTSIDE_UNITS (e.g. the loss), so by_unit sums to total_bytes.
+    params: tensors whose storage is not counted when saved (parameters, buffers);
+    nn.Parameter instances are always excluded. Saved tensors are restored unchanged, so
+    training is unaffected. An inner saved_tensors_hooks (e.g. BitTrain's) takes precedence,
+    and then this counter sees nothing.
     """
-    units = list(units or [])
-    counter = SavedTensorCounter([name for name, _ in units], params)
-    handles = []
-    for name, module in units:
-        handles.append(module.register_forward_pre_hook(partial(counter._enter, name)))
-        handles.append(module.register_forward_hook(counter._exit))
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
-            yield counter
-    finally:
-        for h in handles:
-            h.remove()
+    counter = SavedTensorCounter(list(units or []), params)
+    with counter.where, torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+        yield counter
 
 
 # ----------------------------------------------------------------------------- process RSS/USS
@@ -303,6 +373,7 @@ class StepMemory:
     rss_peak_bytes: int | None = None    # process peak RSS during the step (sampled), not exact
     uss_bytes: int | None = None         # process USS after the step, not exact
     buffer_bytes: int = 0                # BN running statistics etc.
+    activation_storage: dict | None = None   # the step context's own accounting (e.g. BitTrain's summary)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -426,9 +497,10 @@ def training_step_fn(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tens
 
     def step() -> float:
         optimizer.zero_grad(set_to_none=True)
-        with context(model):
+        with context(model) as entered:
             loss = loss_fn(model(x), y)
             loss.backward()
+        step.context = entered   # measure_training_peak reads its accounting, if it has any
         optimizer.step()
         return loss.item()
     return step
@@ -464,8 +536,16 @@ def measure_training_peak(model: nn.Module, optimizer_factory: Callable[[Iterabl
     training_step_fn(net, optimizer, *batch_tensors(), context=context)()   # warm-up: creates the optimizer state
     x, y = batch_tensors()
     units = list(zip(net.unit_names, net.units)) if hasattr(net, "units") and hasattr(net, "unit_names") else None
-    return measure_step(training_step_fn(net, optimizer, x, y, context=context), model=net, optimizer=optimizer,
-                        inputs=(x, y), units=units, device=device)
+    step = training_step_fn(net, optimizer, x, y, context=context)
+    memory = measure_step(step, model=net, optimizer=optimizer, inputs=(x, y), units=units, device=device)
+    if hasattr(step.context, "summary"):
+        # A context with saved-tensor hooks of its own (BitTrain) is innermost, so measure_step's
+        # counting hooks saw nothing: what was saved for backward is what the context stored.
+        summary = step.context.summary()
+        memory.activation_storage = summary
+        memory.saved_bytes = summary["total"]["stored_bytes"]
+        memory.saved_by_unit = {name: unit["stored_bytes"] for name, unit in summary["units"].items()}
+    return memory
 
 
 # ----------------------------------------------------------------------------- batch size under a budget

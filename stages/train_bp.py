@@ -1,7 +1,8 @@
 """Stage train_bp: standard backpropagation on the device (target) data under a memory budget.
 
 Uses the largest batch whose measured training-step peak fits train_bp.budget (an error gives
-the smallest feasible budget when even batch 1 does not fit). Writes models/train_bp.pt,
+the smallest feasible budget when even batch 1 does not fit). train_bp.bittrain stores saved
+activations as bitmaps (BitTrain) in both the measured steps and training. Writes models/train_bp.pt,
 metrics/train_bp.json (DVC metrics), plots/train_bp.csv (accuracy vs training time) and
 memory/train_bp.json (the measurements behind the batch size).
 """
@@ -40,7 +41,8 @@ def main(args, params) -> None:
     with stage_run("train_bp", p.model_dump()) as run:
         model = build_model(**build_args, pretrained_path=p.model.pretrained_path)
         result = train_under_budget(model, train, tensors(data, "target_val"), tensors(data, "target_test"),
-                                    len(data.classes), p, p, device, checkpoint=CHECKPOINT, desc="train_bp")
+                                    len(data.classes), p, p, device, checkpoint=CHECKPOINT, desc="train_bp",
+                                    context=p.bittrain.context)
         metrics = {"model": p.model.key, "device": str(device), **result.metrics()}
         write_json(METRICS, metrics)
         write_json(MEMORY, result.memory_report())

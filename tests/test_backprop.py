@@ -75,3 +75,29 @@ def test_evaluation_at_the_training_batch_stays_under_the_training_peak(mnist_su
     with track_live_tensors(seed=state + [x, y]) as tracker:
         evaluate(m, x, y, batch_size=32)
     assert 0 < tracker.peak_bytes < step_peak
+
+
+def test_bittrain_from_params_trains_bit_identically_and_fits_a_larger_batch(mnist_subset):
+    from edgeflux.config import BitTrainParams
+    from edgeflux.train import fit
+
+    bittrain = BitTrainParams(enabled=True)
+    train, val = tensors(mnist_subset, "train", limit=256), tensors(mnist_subset, "val", limit=64)
+
+    def vgg_nobn():
+        return build_model("vgg11", num_classes=10, in_channels=1, width=0.125, batch_norm=False, seed=0)
+
+    plain, compressed = vgg_nobn(), vgg_nobn()
+    fit(plain, train, val, OPTS, batch_size=32)
+    fit(compressed, train, val, OPTS, batch_size=32, context=bittrain.context)
+    for (name, a), b in zip(plain.state_dict().items(), compressed.state_dict().values()):
+        assert torch.equal(a, b), name
+
+    m = vgg_nobn()
+    dense_peak = measure_training_peak(m, optimizer_factory(OPTS), SHAPE, 10, 32, data=train).peak_bytes
+    budget = MemoryOptions(budget=f"{dense_peak}B", max_batch=256)
+    dense_batch, _, _ = choose_batch(m, train, 10, OPTS, budget, torch.device("cpu"))
+    bit_batch, fitted, memory = choose_batch(m, train, 10, OPTS, budget, torch.device("cpu"), context=bittrain.context)
+    assert dense_batch == 32 < bit_batch and memory.peak_bytes <= dense_peak
+    total = memory.activation_storage["total"]
+    assert memory.saved_bytes == total["stored_bytes"] < total["dense_bytes"] and total["compressed"] > 0

@@ -24,3 +24,24 @@ def test_memory_baseline_quick_writes_json_and_markdown(tmp_path):
     assert all(p1 < p4 < p8 for (_, p1), (_, p4), (_, p8) in by_model.values())
     assert "| vgg16 |" in table and "R²" in table
     assert (tmp_path / "memory_baseline.png").stat().st_size > 10_000
+
+
+def test_bittrain_quick_writes_table1_and_training_rows(tmp_path):
+    cmd = [sys.executable, "bench/bittrain.py", "--quick", "--models", "vgg16_nobn", "--out", str(tmp_path)]
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True, timeout=600)
+    result = json.loads((tmp_path / "bittrain.json").read_text())
+    assert "--quick" in result["command"] and result["copy_bandwidth"]
+    rows = result["rows"]
+    for r in rows:
+        assert {"case", "dense_bytes", "theoretical_bytes", "achieved_bytes", "peak_bytes", "step_time_ratio"} <= set(r)
+    table1 = [r for r in rows if r["part"] == "table1"]
+    assert {r["nonzero"] for r in table1} == {0.0, 0.25, 0.5, 0.75, 1.0}
+    for r in table1:   # fp32 bitmap: exactly 4 bytes per non-zero + 1 bit per element
+        assert r["achieved_bytes"] == r["theoretical_bytes"] == 4 * round(r["numel"] * r["nonzero"]) + r["numel"] // 8
+    train = {r["variant"]: r for r in rows if r["part"] == "train" and r["model"] == "vgg16_nobn"}
+    assert train["dense"]["step_time_ratio"] == 1.0
+    # VGG without BN: ReLU outputs are half zeros, so the bitmap stores less and the measured peak drops
+    assert train["bitmap"]["achieved_bytes"] < 0.7 * train["bitmap"]["dense_bytes"]
+    assert train["bitmap"]["peak_bytes"] < train["dense"]["peak_bytes"]
+    assert train["prune 0.1"]["achieved_bytes"] < train["bitmap"]["achieved_bytes"]
+    assert "| vgg16_nobn |" in (tmp_path / "bittrain.md").read_text()

@@ -11,6 +11,7 @@ from torch import nn
 from edgeflux.memory import (
     OUTSIDE_UNITS,
     BudgetTooSmallError,
+    SavedTensorModifiedError,
     count_saved_tensors,
     fit_linear,
     format_bytes,
@@ -88,6 +89,32 @@ def test_counting_saved_tensors_leaves_gradients_unchanged():
     assert saved.total_bytes > 0
     for p, g in zip(model.parameters(), expected):
         assert torch.equal(p.grad, g)
+
+
+def test_counting_keeps_autograds_inplace_check():
+    x = torch.randn(8, 8, requires_grad=True)
+    with count_saved_tensors():
+        y = torch.sigmoid(x)          # sigmoid saves its output
+    y.mul_(2)                          # ... which is then changed in place
+    with pytest.raises(SavedTensorModifiedError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_counting_does_not_keep_saved_outputs_alive():
+    import gc
+    import weakref
+
+    x = torch.randn(64, 64, requires_grad=True)
+    with count_saved_tensors() as saved:
+        y = torch.sigmoid(x)          # its saved output refers back to its own grad_fn
+    assert saved.total_bytes == y.untyped_storage().nbytes()
+    ref = weakref.ref(y.untyped_storage())
+    del y
+    gc.disable()                       # freed by reference counting alone, not by the cycle collector
+    try:
+        assert ref() is None
+    finally:
+        gc.enable()
 
 
 # ----------------------------------------------------------------------------- live tensors

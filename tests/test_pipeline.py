@@ -65,11 +65,14 @@ def test_repro_then_noop_then_exp_run(project):
     assert "Data and pipelines are up to date" in second.stdout
 
     sh("git add -A && git commit -qm 'first run'", project)
-    exp = sh("dvc exp run -S train_bp.lr=0.01", project)
+    exp = sh("dvc exp run -S train_bp.lr=0.01 -S train_bp.bittrain.enabled=true", project)
     assert "Running stage 'train_bp'" in exp.stdout and "Running stage 'report'" in exp.stdout
     assert "Running stage 'pretrain'" not in exp.stdout and "Running stage 'prepare'" not in exp.stdout
     shown = sh("dvc exp show --json", project).stdout
     assert '"lr": 0.01' in shown
+    with_bittrain = json.loads((project / "metrics/train_bp.json").read_text())
+    assert with_bittrain["saved_stored_bytes"] < with_bittrain["saved_dense_bytes"]
+    assert with_bittrain["peak_mem_bytes"] <= 3_000_000
 
     # every stage logged as a child of one pipeline run per `dvc repro`
     from mlflow.tracking import MlflowClient

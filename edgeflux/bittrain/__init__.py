@@ -1,0 +1,30 @@
+"""BitTrain: saved activations stored as sparse bitmaps (Hosny, Neseem, Reda, SEC 2021).
+
+    opts = BitTrainOptions(enabled=True)                       # threshold 0: bit-identical gradients
+    with opts.context(model) as ca:                            # any trainer's step
+        F.cross_entropy(model(x), y).backward()
+    ca.summary()["total"]["reduction"]                         # fraction of saved bytes saved
+
+    training_step_fn(model, opt, x, y, context=opts.context)   # as an edgeflux.memory StepContext
+
+Modules: bitmap (the format), hooks (saved-tensor hooks, accounting), doublemask (BatchNorm /
+activation mask propagation). Unit attribution: edgeflux.memory.UnitTracker.
+"""
+from __future__ import annotations
+
+from edgeflux.config import BitTrainParams as BitTrainOptions  # one definition: the params.yaml section
+
+from .bitmap import BitmapTensor, FloatTensorRequired, compress, theoretical_bytes
+from .hooks import CompressedActivations, SavedTensorModifiedError, UnitStats, compressed_activations
+
+__all__ = [
+    "BitTrainOptions",
+    "BitmapTensor",
+    "CompressedActivations",
+    "FloatTensorRequired",
+    "SavedTensorModifiedError",
+    "UnitStats",
+    "compress",
+    "compressed_activations",
+    "theoretical_bytes",
+]

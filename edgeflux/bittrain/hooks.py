@@ -1,0 +1,377 @@
+"""Compressed saved activations through torch.autograd.graph.saved_tensors_hooks.
+
+    with compressed_activations(units=model) as ca:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+    ca.summary()["total"]     # dense vs stored vs theoretical bytes, sparsity, counts
+
+The paper needed a libtorch extension; PyTorch's saved-tensor hooks are the "autograd library
+integration similar to the checkpointing API" it names as future work. Every tensor autograd
+saves for backward inside the block passes through ``pack``; an *activation* (see below) of at
+least ``min_bytes`` is stored as a sparse bitmap (edgeflux.bittrain.bitmap) when that is smaller
+than the dense tensor, and restored in backward by ``unpack``. At low sparsity the bitmap is
+bigger (the paper's -3% rows): those tensors stay dense.
+
+What is never compressed (returned as is): parameters (leaf tensors that require grad) and views
+of them (``weight.t()`` saved by addmm), any leaf that requires grad, non-floating tensors (max-
+pool indices), tensors whose storage belongs to a parameter or buffer of the given units, tensor
+subclasses, sparse/meta tensors, and tensors that do not own their memory exactly (a view of a
+larger storage, an expanded tensor: compressing them frees nothing).
+
+A tensor saved by several operations (a ReLU output that the next conv and a max-pool also save)
+is compressed once: packs are deduplicated by tensor identity (a WeakTensorKeyDictionary, so a
+freed tensor whose address is reused can never alias) and version (an in-place change after the
+first save makes a new entry).
+
+Exactness: with ``threshold=0`` and no ``store_dtype`` a restored tensor has the same bits, shape,
+dtype and strides as the saved one, so gradients are bit-identical to plain training.
+``threshold > 0`` prunes |x| < threshold (the paper's activation pruning) and ``store_dtype``
+(e.g. torch.float16) rounds the stored values: both approximate, by design. A tensor that is kept
+dense is stored in ``store_dtype`` too when that is smaller (fp16 activation storage).
+
+Safety: saved-tensor hooks switch off autograd's own check that a saved tensor was not modified
+in place before backward (identity hooks included); ``unpack`` performs that check itself and
+raises SavedTensorModifiedError, as plain autograd would.
+
+``double_mask=True`` adds the mask-propagation rules of edgeflux.bittrain.doublemask (paper
+Section 3.1); see there for which are exact and which are approximate.
+
+Nesting: torch.utils.checkpoint(use_reentrant=False) installs its own hooks inside a checkpointed
+region (innermost hooks win), so nothing is saved there and nothing is compressed; the
+checkpoint's saved inputs go through these hooks and are restored exactly before recomputation.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Iterable
+
+import torch
+from torch import Tensor
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from edgeflux.memory import (OUTSIDE_UNITS, SavedTensorModifiedError, UnitsArg, UnitTracker, check_saved_version,
+                             resolve_units)
+
+from .bitmap import _INT_VIEW, BitmapTensor, _dense_in_memory, _flat, _from_mask, _keep_mask
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CompressedActivations", "SavedTensorModifiedError", "UnitStats", "compressed_activations",
+           "resolve_store_dtype"]
+
+STORE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                "float64": torch.float64}
+
+
+def resolve_store_dtype(store_dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """'float16' / torch.float16 -> torch.float16; None -> None (keep each tensor's dtype)."""
+    if store_dtype is None or isinstance(store_dtype, torch.dtype):
+        if isinstance(store_dtype, torch.dtype) and not store_dtype.is_floating_point:
+            raise ValueError(f"store_dtype must be a floating dtype, got {store_dtype}")
+        return store_dtype
+    try:
+        return STORE_DTYPES[str(store_dtype)]
+    except KeyError:
+        raise ValueError(f"store_dtype must be one of {', '.join(STORE_DTYPES)} or None, "
+                         f"got {store_dtype!r}") from None
+
+
+# ----------------------------------------------------------------------------- accounting
+
+@dataclass
+class UnitStats:
+    """What happened to the activations one unit saved (bytes are logical: numel * itemsize)."""
+
+    packs: int = 0              # saves of activations (a tensor saved by k operations counts k)
+    tensors: int = 0            # distinct activations stored
+    compressed: int = 0         # stored as a bitmap
+    cast: int = 0               # stored dense in store_dtype (smaller than dense, not worth a bitmap)
+    kept_dense: int = 0         # >= min_bytes but kept as is: a bitmap would not be smaller, or not its own memory
+    small: int = 0              # below min_bytes: kept as is
+    double_masked: int = 0      # BatchNorm inputs stored through the next activation's mask (doublemask)
+    mask_only: int = 0          # pre-activation copies stored as a 1-bit mask (doublemask)
+    dense_bytes: int = 0        # what plain training holds for these tensors
+    stored_bytes: int = 0       # what is held instead
+    numel: int = 0
+    nnz: int = 0                # elements a bitmap keeps (non-zero bit pattern and, if pruning, |x| >= threshold)
+    theoretical_bytes: int = 0  # the paper's M_b = itemsize * nnz + numel / 8, summed (value itemsize as stored)
+
+    def add(self, other: UnitStats) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict with derived ratios: sparsity, stored/dense, reduction (1 - stored/dense)."""
+        d = asdict(self)
+        d["sparsity"] = 1 - self.nnz / self.numel if self.numel else 0.0
+        d["stored_fraction"] = self.stored_bytes / self.dense_bytes if self.dense_bytes else 1.0
+        d["reduction"] = 1 - d["stored_fraction"]
+        return d
+
+
+# ----------------------------------------------------------------------------- what pack returns
+
+class _Kept:
+    """A tensor stored as is (detached: no reference cycle through its grad_fn), version-checked."""
+
+    __slots__ = ("tensor", "version", "__weakref__")
+
+    def __init__(self, t: Tensor) -> None:
+        self.tensor = t.detach()        # shares t's storage and version counter
+        self.version = t._version
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def unpack(self) -> Tensor:
+        check_saved_version(self.tensor, self.version)
+        return self.tensor
+
+
+class _Packed:
+    """A compressed activation: a BitmapTensor or a dense copy in store_dtype.
+
+    ``uses`` counts the operations that saved it. Their backward ops run close together (e.g.
+    max-pool and ReLU reading one ReLU output), and plain autograd holds the dense tensor until
+    the last of them; so at the first unpack of a tensor with several uses the decompressed
+    tensor *replaces* the compressed data (never both in memory, never decompressed twice), and
+    the holder is released with the last consumer's saved variables, as in plain autograd.
+    A tensor with one use keeps its compressed data (backward with retain_graph=True can unpack
+    it again) and only a weak cache of the decompressed tensor.
+    """
+
+    __slots__ = ("data", "dtype", "source", "version", "uses", "_cache", "__weakref__")
+
+    def __init__(self, data: BitmapTensor | Tensor, t: Tensor) -> None:
+        self.data: BitmapTensor | Tensor = data
+        self.dtype = t.dtype
+        self.source = weakref.ref(t)   # to check in-place changes while the original is still alive
+        self.version = t._version
+        self.uses = 1
+        self._cache: weakref.ref | None = None
+
+    @property
+    def nbytes(self) -> int:
+        d = self.data
+        return d.nbytes if isinstance(d, BitmapTensor) else d.untyped_storage().nbytes()
+
+    def unpack(self) -> Tensor:
+        src = self.source()
+        if src is not None:
+            check_saved_version(src, self.version)
+        d = self.data
+        if isinstance(d, Tensor) and d.dtype == self.dtype:
+            return d                      # already restored for a tensor with several uses
+        out = self._cache() if self._cache is not None else None
+        if out is None:
+            with torch.no_grad():
+                out = d.decompress() if isinstance(d, BitmapTensor) else d.to(self.dtype)
+            self._cache = weakref.ref(out)
+        if self.uses > 1:
+            self.data = out
+        return out
+
+
+def unpack_saved(packed: Any) -> Tensor:
+    """The tensor a pack result stands for (what backward will see)."""
+    return packed.unpack() if hasattr(packed, "unpack") else packed
+
+
+# ----------------------------------------------------------------------------- the context
+
+class CompressedActivations:
+    """Context manager: saved activations stored as bitmaps inside the block; per-unit stats.
+
+    Use compressed_activations(...) to make one. Entering it installs the saved-tensor hooks (and
+    the module hooks for unit attribution / double_mask); leaving removes them. Tensors saved
+    inside stay compressed after the block and are restored whenever backward runs. Stats add up
+    over every use of the same object.
+    """
+
+    def __init__(self, threshold: float = 0.0, min_bytes: int = 4096, store_dtype: str | torch.dtype | None = None,
+                 double_mask: bool = False, units: UnitsArg = None, exclude: Iterable[Tensor] = ()) -> None:
+        if not (isinstance(threshold, (int, float)) and threshold >= 0 and math.isfinite(threshold)):
+            raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
+        if not (isinstance(min_bytes, int) and min_bytes >= 0):
+            raise ValueError(f"min_bytes must be an int >= 0, got {min_bytes!r}")
+        self.threshold = float(threshold)
+        self.min_bytes = min_bytes
+        self.store_dtype = resolve_store_dtype(store_dtype)
+        self.double_mask = bool(double_mask)
+        self.unit_pairs, self._modules = resolve_units(units)
+        # Parameters and buffers of the units (and `exclude`): recognised by storage address,
+        # pinned so that the addresses stay theirs while this object lives.
+        self._pinned = [t for m in self._modules for t in (*m.parameters(), *m.buffers())] + list(exclude)
+        self._excluded = {t.untyped_storage().data_ptr() for t in self._pinned if t.numel() > 0}
+        self.stats: dict[str, UnitStats] = {name: UnitStats() for name, _ in self.unit_pairs}
+        self.stats.setdefault(OUTSIDE_UNITS, UnitStats())
+        self.not_activations = 0     # packs returned as is: parameters, buffers, indices, ...
+        self._seen: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self._tracker: UnitTracker | None = None
+        self._hooks: Any = None
+        self._dm: Any = None
+        if self.double_mask and not self._modules:
+            log.warning("double_mask needs the model (units=model or (name, module) pairs) to find its "
+                        "BatchNorm and activation modules; without it only plain compression is applied")
+
+    # -- context protocol
+    def __enter__(self) -> CompressedActivations:
+        if self._hooks is not None:
+            raise RuntimeError("this compressed_activations context is already active; make a new one to nest")
+        self._tracker = UnitTracker(self.unit_pairs).__enter__()
+        if self.double_mask and self._modules:
+            from .doublemask import DoubleMask   # local: doublemask imports this module
+            self._dm = DoubleMask(self, self._modules).__enter__()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack_saved)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._hooks.__exit__(*exc)
+        finally:
+            self._hooks = None
+            if self._dm is not None:
+                self._dm.__exit__(*exc)
+                self._dm = None
+            self._tracker.__exit__(*exc)
+            self._seen = WeakTensorKeyDictionary()
+
+    # -- pack
+    def is_activation(self, t: Tensor) -> bool:
+        """True for tensors this context may compress (see the module docstring)."""
+        if type(t) is not Tensor or not t.is_floating_point() or t.layout != torch.strided or t.device.type == "meta":
+            return False     # Parameters, subclasses, integer/bool tensors, sparse, meta
+        base = t._base if t._base is not None else t
+        if base.is_leaf and base.requires_grad:
+            return False     # a parameter (or a leaf input that requires grad), or a view of one
+        return not (t.numel() > 0 and t.untyped_storage().data_ptr() in self._excluded)
+
+    def unit_stats(self) -> UnitStats:
+        """Stats of the unit whose forward is running now."""
+        name = self._tracker.current if self._tracker is not None else OUTSIDE_UNITS
+        return self.stats.setdefault(name, UnitStats())
+
+    def _pack(self, t: Tensor) -> Any:
+        with torch.no_grad():
+            if not self.is_activation(t):
+                self.not_activations += 1
+                return _Kept(t)
+            stats = self.unit_stats()
+            stats.packs += 1
+            entry = self._seen.get(t)
+            if entry is not None and entry[0] == t._version:
+                holder = entry[1]()
+                if holder is not None:
+                    if isinstance(holder, _Packed):
+                        holder.uses += 1
+                    return holder
+            if self._dm is not None:
+                special = self._dm.pack(t, stats)
+                if special is not None:
+                    return special
+            holder = self.store(t, stats)
+            self._seen[t] = (t._version, weakref.ref(holder))
+            if self._dm is not None:
+                self._dm.stored(t, holder)
+            return holder
+
+    def store(self, t: Tensor, stats: UnitStats) -> _Kept | _Packed:
+        """Store activation t (no deduplication): bitmap, store_dtype copy, or as is; update stats."""
+        n, itemsize = t.numel(), t.element_size()
+        dense = n * itemsize
+        stats.tensors += 1
+        stats.dense_bytes += dense
+        stats.numel += n
+        value_size = self.store_dtype.itemsize if self.store_dtype is not None else itemsize
+        d = t.detach()
+        if dense < self.min_bytes or not _owns_exactly(d):
+            nnz = _count_kept(d, self.threshold)
+            stats.nnz += nnz
+            stats.theoretical_bytes += value_size * nnz + math.ceil(n / 8)
+            stats.stored_bytes += dense
+            if dense < self.min_bytes:
+                stats.small += 1
+            else:
+                stats.kept_dense += 1
+            return _Kept(t)
+        flat, stride = _flat(d)
+        padded = None
+        if self.threshold > 0:
+            padded = _keep_mask(flat, self.threshold)
+            nnz = int(torch.count_nonzero(padded))
+        else:   # count first: most dense tensors (BN inputs) never need the mask
+            nnz = int(torch.count_nonzero(flat.view(_INT_VIEW[itemsize])))
+        bitmap_bytes = math.ceil(n / 8) + nnz * value_size
+        cast_bytes = n * value_size
+        stats.nnz += nnz
+        stats.theoretical_bytes += bitmap_bytes
+        if bitmap_bytes < dense and bitmap_bytes <= cast_bytes:
+            if padded is None:
+                padded = _keep_mask(flat, 0.0)
+            bitmap = _from_mask(flat, padded, d.shape, stride, d.dtype, self.store_dtype, nnz)
+            holder: _Kept | _Packed = _Packed(bitmap, t)
+            stats.compressed += 1
+        elif cast_bytes < dense:
+            holder = _Packed(d.to(self.store_dtype), t)
+            stats.cast += 1
+        else:
+            holder = _Kept(t)
+            stats.kept_dense += 1
+        stats.stored_bytes += holder.nbytes
+        return holder
+
+    # -- reporting
+    def total(self) -> UnitStats:
+        """All units' stats added up."""
+        out = UnitStats()
+        for s in self.stats.values():
+            out.add(s)
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """Plain dicts: the options, the total, and per unit (in unit order; OUTSIDE_UNITS last)."""
+        return {
+            "options": {"threshold": self.threshold, "min_bytes": self.min_bytes,
+                        "store_dtype": str(self.store_dtype).removeprefix("torch.") if self.store_dtype else None,
+                        "double_mask": self.double_mask},
+            "total": self.total().to_dict(),
+            "units": {name: s.to_dict() for name, s in self.stats.items()},
+            "not_activations": self.not_activations,
+        }
+
+
+def _owns_exactly(t: Tensor) -> bool:
+    """t fills its whole storage, gap-free: compressing it lets that memory go."""
+    return (t.storage_offset() == 0 and _dense_in_memory(t)
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+
+
+def _count_kept(t: Tensor, threshold: float) -> int:
+    """Elements a bitmap would keep (for the accounting of tensors that are not compressed)."""
+    if t.numel() == 0:
+        return 0
+    if threshold == 0:
+        return int(torch.count_nonzero(t.view(_INT_VIEW[t.element_size()])))
+    return t.numel() - int(torch.count_nonzero(t.abs() < threshold))
+
+
+def compressed_activations(threshold: float = 0.0, min_bytes: int = 4096, store_dtype: str | torch.dtype | None = None,
+                           double_mask: bool = False, units: UnitsArg = None,
+                           exclude: Iterable[Tensor] = ()) -> CompressedActivations:
+    """Store the activations autograd saves inside the ``with`` block as sparse bitmaps.
+
+    threshold: 0 = exact (bit-identical gradients); > 0 prunes |x| < threshold (approximate).
+    min_bytes: saved tensors smaller than this stay as they are.
+    store_dtype: "float16"/torch.float16 stores values in half precision (approximate); None keeps them.
+    double_mask: BatchNorm/activation mask propagation (edgeflux.bittrain.doublemask).
+    units: the model (a UnitModel: per-unit stats; its parameters and buffers are never compressed)
+    or (name, module) pairs; None attributes everything to "(outside units)".
+    exclude: more tensors never to compress (e.g. a batch the caller keeps anyway).
+    """
+    return CompressedActivations(threshold=threshold, min_bytes=min_bytes, store_dtype=store_dtype,
+                                 double_mask=double_mask, units=units, exclude=exclude)

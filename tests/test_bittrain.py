@@ -1,0 +1,394 @@
+"""BitTrain: the bitmap format is exact and exactly sized; compressed saved activations give
+bit-identical gradients on real Fashion-MNIST images and measurably less memory."""
+import copy
+import gc
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from edgeflux.bittrain import (BitmapTensor, BitTrainOptions, CompressedActivations, FloatTensorRequired,
+                               SavedTensorModifiedError, compress, compressed_activations, theoretical_bytes)
+from edgeflux.bittrain.doublemask import DoubleMaskError
+from edgeflux.bittrain.hooks import _Kept, _Packed
+from edgeflux.memory import OUTSIDE_UNITS, measure_step, track_live_tensors, training_step_fn
+from edgeflux.models import build_model
+
+FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit patterns in logical order (so -0.0 != 0.0 and NaN == NaN)."""
+    return t.reshape(-1).contiguous().view(INT_OF[t.element_size()])
+
+
+def nonzero_bits(t: torch.Tensor) -> int:
+    return int((bits(t) != 0).sum())
+
+
+@pytest.fixture(scope="module")
+def fmnist():
+    """64 real Fashion-MNIST training images at 32x32, normalised as the pipeline does."""
+    from edgeflux.data import load_raw, prepare, tensors
+    return tensors(prepare(load_raw("fashion-mnist"), image_size=32), "train", limit=64)
+
+
+def _cases() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    relu = torch.relu(torch.randn(4, 6, 5, 7, generator=g))
+    return {
+        "relu_4d": relu,
+        "scalar_0d": torch.tensor(2.5),
+        "scalar_zero": torch.tensor(0.0),
+        "scalar_neg_zero": torch.tensor(-0.0),
+        "empty": torch.empty(0, 3),
+        "all_zero": torch.zeros(13),
+        "all_nonzero": torch.rand(37, generator=g) + 1,
+        "odd_length": torch.relu(torch.randn(1001, generator=g)),
+        "specials": torch.tensor([float("nan"), -0.0, 0.0, float("inf"), -float("inf"), 1e-30, -2.0]),
+        "channels_last": relu.contiguous(memory_format=torch.channels_last),
+        "transposed": torch.relu(torch.randn(6, 8, generator=g)).t(),
+        "strided_slice": relu[:, ::2, 1:, :],
+        "expanded": torch.relu(torch.randn(5, 1, generator=g)).expand(5, 4),
+    }
+
+
+# ----------------------------------------------------------------------------- bitmap format
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("case", list(_cases()))
+def test_round_trip_is_exact_and_sized_exactly(case, dtype):
+    t = _cases()[case].to(dtype)
+    packed = compress(t)
+    out = packed.decompress()
+    assert out.dtype == dtype and out.shape == t.shape
+    assert torch.equal(bits(out), bits(t))                      # every bit, -0.0 and NaN included
+    n, nnz = t.numel(), nonzero_bits(t)
+    assert packed.nnz == nnz
+    assert packed.nbytes == math.ceil(n / 8) + nnz * t.element_size() == theoretical_bytes(n, nnz, t.element_size())
+    # what it holds is exactly its own memory, not views of larger storages
+    assert packed.bitmap.dtype == torch.uint8 and packed.bitmap.numel() == math.ceil(n / 8)
+    assert packed.bitmap.untyped_storage().nbytes() == packed.bitmap.numel()
+    assert packed.values.untyped_storage().nbytes() == nnz * t.element_size()
+
+
+@pytest.mark.parametrize("case", ["channels_last", "transposed"])
+def test_memory_layout_is_restored(case):
+    t = _cases()[case]
+    out = compress(t).decompress()
+    assert out.stride() == t.stride() and torch.equal(out, t)
+
+
+def test_bitmap_layout_every_byte_pattern():
+    """Element 8g+k is bit k of byte g: all 256 patterns pack to their own value and back."""
+    patterns = torch.arange(256)
+    mask = ((patterns.unsqueeze(1) >> torch.arange(8)) & 1).bool().reshape(-1)
+    t = torch.where(mask, torch.arange(1.0, 2049.0), 0.0)
+    packed = compress(t)
+    assert torch.equal(packed.bitmap, patterns.to(torch.uint8))
+    assert torch.equal(packed.values, t[mask])
+    assert torch.equal(packed.decompress(), t)
+
+
+def test_theoretical_bytes_formula():
+    assert theoretical_bytes(16 * 64 * 56 * 56, 0) == 401_408                   # the bitmap alone: n/8
+    assert theoretical_bytes(2_408_448, 2_408_448) == 4 * 2_408_448 + 301_056   # 100% non-zero: +3.125%
+    assert theoretical_bytes(9, 3, itemsize=2) == 6 + 2                         # ceil(9/8) = 2
+
+
+def test_pruning_drops_exactly_small_magnitudes():
+    t = torch.tensor([0.0, -0.0, 0.009, -0.0099, 0.01, -0.01, 0.5, -3.0, float("nan"), float("inf")])
+    packed = compress(t, threshold=0.01)
+    keep = ~(t.abs() < 0.01)                        # NaN is not < threshold: kept
+    assert torch.equal(bits(packed.values), bits(t[keep]))
+    out = packed.decompress()
+    assert torch.equal(bits(out), bits(torch.where(keep, t, 0.0)))
+    assert packed.nbytes == 2 + 4 * int(keep.sum())
+    relu = _cases()["relu_4d"]
+    for thr in (0.01, 0.1, 1.0):
+        p = compress(relu, threshold=thr)
+        assert p.nnz == int((relu.abs() >= thr).sum())
+        assert torch.equal(p.decompress(), torch.where(relu.abs() < thr, 0.0, relu))
+
+
+def test_fp16_store_halves_value_bytes():
+    t = _cases()["odd_length"]
+    full, half = compress(t), compress(t, store_dtype=torch.float16)
+    assert half.values.dtype == torch.float16 and half.nnz == full.nnz
+    assert half.values.untyped_storage().nbytes() * 2 == full.values.untyped_storage().nbytes()
+    assert half.nbytes == math.ceil(t.numel() / 8) + 2 * full.nnz
+    out = half.decompress()
+    assert out.dtype == torch.float32 and torch.equal(out, t.half().float())   # approximate: fp16 rounding
+
+
+def test_compress_refuses_integer_tensors():
+    with pytest.raises(FloatTensorRequired, match="max-pool indices"):
+        compress(torch.arange(10))
+    with pytest.raises(ValueError, match="threshold"):
+        compress(torch.ones(3), threshold=-1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_round_trip_cuda():
+    for name, t in _cases().items():
+        t = t.cuda()
+        packed = compress(t)
+        assert packed.device.type == "cuda"
+        assert torch.equal(bits(packed.decompress()), bits(t)), name
+
+
+# ----------------------------------------------------------------------------- saved-tensor hooks
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _train_step(model: nn.Module, x, y, context=None, seed: int = 1):
+    torch.manual_seed(seed)   # MobileNetV2's dropout draws the same mask in both runs
+    model.zero_grad(set_to_none=True)
+    if context is None:
+        F.cross_entropy(model(x), y).backward()
+        return None
+    with context as ca:
+        F.cross_entropy(model(x), y).backward()
+    return ca
+
+
+MODELS = [("vgg16", {"batch_norm": False}), ("vgg16", {}), ("resnet18", {}), ("mobilenet_v2", {})]
+
+
+@pytest.mark.parametrize("name,kw", MODELS, ids=["vgg16_nobn", "vgg16_bn", "resnet18", "mobilenet_v2"])
+def test_gradients_bit_identical(fmnist, name, kw):
+    torch.manual_seed(0)
+    model = build_model(name, width=0.25, **kw)
+    twin = copy.deepcopy(model)
+    x, y = fmnist[0][:4], fmnist[1][:4]
+    _train_step(model, x, y)
+    ca = _train_step(twin, x, y, compressed_activations(units=twin))
+    for (pname, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad), pname
+    total = ca.summary()["total"]
+    assert total["compressed"] > 0 and total["stored_bytes"] < total["dense_bytes"]
+    assert set(ca.summary()["units"]) == set(model.unit_names) | {OUTSIDE_UNITS}
+
+
+def test_parameters_views_and_indices_never_reach_storage(fmnist):
+    torch.manual_seed(0)
+    model = build_model("vgg16", width=0.25, batch_norm=False)
+    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    ca = compressed_activations(units=model, min_bytes=0)
+    stored = []
+    original = ca.store
+    ca.store = lambda t, stats: stored.append(t) or original(t, stats)
+    _train_step(model, *fmnist, context=ca)
+    assert stored and all(t.is_floating_point() for t in stored)              # no max-pool indices
+    assert all(t.untyped_storage().data_ptr() not in param_storages for t in stored)
+    views_of_leaves = [t for t in stored if t._base is not None and t._base.is_leaf and t._base.requires_grad]
+    assert not any(isinstance(t, nn.Parameter) for t in stored) and not views_of_leaves
+    # per conv: weight (+ bias not saved); classifier: weight.t() view; pools: indices
+    assert ca.not_activations >= 13 + 1 + 5
+
+
+def test_shared_relu_output_is_stored_once():
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(inplace=True), nn.Conv2d(8, 8, 3, padding=1))
+    x = torch.randn(4, 3, 16, 16)
+    with compressed_activations(units=net) as ca:
+        net(x).sum().backward()
+    relu_out = ca.stats["1"]            # the ReLU unit: its output is saved by relu_ ...
+    conv2 = ca.stats["2"]               # ... and by the second conv, which finds it already stored
+    assert relu_out.packs == 1 and relu_out.tensors == 1 and relu_out.compressed == 1
+    assert conv2.packs == 1 and conv2.tensors == 0
+    total = ca.total()
+    assert total.packs == total.tensors + 1
+
+
+def test_dense_kept_when_bitmap_would_be_bigger():
+    net = nn.Sequential(nn.Linear(64, 256), nn.Sigmoid(), nn.Linear(256, 8))
+    x = torch.randn(32, 64)
+    with compressed_activations(units=net) as ca:
+        net(x).sum().backward()
+    sig = ca.stats["1"]                 # sigmoid output: no zeros, 32 KiB; a bitmap would be 3.1% bigger
+    assert sig.kept_dense == 1 and sig.compressed == 0
+    assert sig.stored_bytes == sig.dense_bytes == 32 * 256 * 4
+    assert sig.theoretical_bytes == 32 * 256 * 4 + 32 * 256 // 8
+
+
+def test_inplace_change_after_save_raises_like_autograd():
+    a = torch.randn(64, 64, requires_grad=True)
+    with compressed_activations(min_bytes=0):
+        b = torch.relu(a * 2)
+        c = b.sin()
+    b.mul_(3)
+    with pytest.raises(SavedTensorModifiedError, match="modified by an inplace operation"):
+        c.sum().backward()
+
+
+def test_checkpoint_nested_hooks_still_identical(fmnist):
+    torch.manual_seed(0)
+    model = build_model("vgg16", width=0.25, batch_norm=False)
+    twin = copy.deepcopy(model)
+    x, y = fmnist[0][:4], fmnist[1][:4]
+    _train_step(model, x, y)
+
+    def forward(m, inp):
+        h = m.forward_until(inp, 4)
+        h = checkpoint(nn.Sequential(*m.units[4:10]), h, use_reentrant=False)
+        return nn.Sequential(*m.units[10:])(h)
+
+    twin.zero_grad()
+    with compressed_activations(units=twin) as ca:
+        F.cross_entropy(forward(twin, x), y).backward()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert ca.total().compressed > 0     # the checkpoint's saved input went through these hooks
+
+
+def test_fp16_storage_and_pruning_are_close_not_exact(fmnist):
+    torch.manual_seed(0)
+    model = build_model("vgg16", width=0.25, batch_norm=False)
+    x, y = fmnist[0][:8], fmnist[1][:8]
+    ref = copy.deepcopy(model)
+    _train_step(ref, x, y)
+    g_ref = torch.cat([p.grad.flatten() for p in ref.parameters()])
+    fp32 = _train_step(copy.deepcopy(model), x, y, compressed_activations(units=model))
+    half_model = copy.deepcopy(model)
+    half = _train_step(half_model, x, y, compressed_activations(units=half_model, store_dtype="float16"))
+    g_half = torch.cat([p.grad.flatten() for p in half_model.parameters()])
+    assert 0 < (g_half - g_ref).norm() / g_ref.norm() < 1e-2
+    a, b = fp32.total(), half.total()
+    assert a.compressed == b.compressed and a.nnz == b.nnz
+    assert b.stored_bytes < a.stored_bytes
+    pruned = _train_step(copy.deepcopy(model), x, y, compressed_activations(units=model, threshold=0.05))
+    assert pruned.total().nnz < a.nnz and pruned.total().stored_bytes < a.stored_bytes
+
+
+def test_measured_memory_drops_by_what_the_accounting_says(fmnist):
+    """Live tensor bytes after forward (exact, edgeflux.memory's tracker) fall by exactly
+    dense - stored bytes: every compressed tensor owned its storage (nbytes == storage bytes),
+    its dense storage is freed, nothing else changes. The step's measured peak falls too."""
+    torch.manual_seed(0)
+    model = build_model("vgg16", width=0.25, batch_norm=False)
+    x, y = fmnist[0][:16], fmnist[1][:16]
+    live = {}
+    for enabled in (False, True):
+        ca = compressed_activations(units=model) if enabled else None
+        gc.collect()
+        with track_live_tensors(list(model.parameters()) + [x, y]) as tracker:
+            if ca is None:
+                loss = F.cross_entropy(model(x), y)
+            else:
+                with ca:
+                    loss = F.cross_entropy(model(x), y)
+            live[enabled] = tracker.current_bytes
+        del loss
+    total = ca.total()
+    assert total.compressed > 0
+    assert live[False] - live[True] == total.dense_bytes - total.stored_bytes
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    peaks = {}
+    for opts in (BitTrainOptions(enabled=False), BitTrainOptions(enabled=True)):
+        training_step_fn(model, opt, x, y, context=opts.context)()      # warm-up: momentum buffers exist
+        step = training_step_fn(model, opt, x, y, context=opts.context)
+        peaks[opts.enabled] = measure_step(step, model=model, optimizer=opt, inputs=(x, y)).peak_bytes
+    assert peaks[True] < peaks[False]
+
+
+# ----------------------------------------------------------------------------- double mask
+
+def _frozen_bn(model: nn.Module, x: torch.Tensor) -> nn.Module:
+    with torch.no_grad():
+        model(x)                                    # non-trivial running statistics
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.eval()
+    return model
+
+
+@pytest.mark.parametrize("name", ["vgg16", "mobilenet_v2"])
+def test_double_mask_exact_for_eval_batchnorm(fmnist, name):
+    torch.manual_seed(0)
+    x, y = fmnist[0][:8], fmnist[1][:8]
+    model = _frozen_bn(build_model(name, width=0.25), x)
+    twin, plain = copy.deepcopy(model), copy.deepcopy(model)
+    _train_step(model, x, y)
+    dm = _train_step(twin, x, y, compressed_activations(units=twin, double_mask=True))
+    base = _train_step(plain, x, y, compressed_activations(units=plain))
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    t = dm.total()
+    assert t.double_masked > 0 and t.stored_bytes < base.total().stored_bytes
+    if name == "mobilenet_v2":
+        assert t.mask_only > 0                      # ReLU6 input copies stored as 1-bit masks
+
+
+@pytest.mark.parametrize("name", ["vgg16", "mobilenet_v2"])
+def test_double_mask_training_batchnorm_is_approximate_and_smaller(fmnist, name):
+    torch.manual_seed(0)
+    x, y = fmnist[0][:8], fmnist[1][:8]
+    model = build_model(name, width=0.25)
+    twin, plain = copy.deepcopy(model), copy.deepcopy(model)
+    _train_step(model, x, y)
+    dm = _train_step(twin, x, y, compressed_activations(units=twin, double_mask=True))
+    base = _train_step(plain, x, y, compressed_activations(units=plain))
+    g = torch.cat([p.grad.flatten() for p in model.parameters()])
+    g_dm = torch.cat([p.grad.flatten() for p in twin.parameters()])
+    err = ((g_dm - g).norm() / g.norm()).item()
+    assert 0 < err < 1e-5                            # rounding of the inverted BN affine map only
+    assert dm.total().double_masked > 0
+    assert dm.total().stored_bytes < 0.8 * base.total().stored_bytes
+
+
+class _BNWithTwoConsumers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn, self.relu = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        y = self.bn(self.conv(x))
+        side = y.sum()                              # a second consumer that saves nothing
+        return self.relu(y).sum() + side
+
+
+def test_double_mask_refuses_a_bn_output_with_another_consumer():
+    net = _BNWithTwoConsumers()
+    with torch.no_grad():
+        net(torch.randn(4, 3, 16, 16))
+    net.bn.eval()
+    x = torch.randn(4, 3, 16, 16)
+    with compressed_activations(units=net, double_mask=True):
+        out = net(x)
+    with pytest.raises(DoubleMaskError, match="another consumer"):
+        out.backward()
+
+
+# ----------------------------------------------------------------------------- options
+
+def test_options_context_and_step_context(fmnist):
+    assert not isinstance(BitTrainOptions().context(), CompressedActivations)   # disabled: nullcontext
+    opts = BitTrainOptions(enabled=True, threshold=0.01, store_dtype="float16", double_mask=True)
+    ctx = opts.context()
+    assert isinstance(ctx, CompressedActivations) and ctx.store_dtype == torch.float16 and ctx.threshold == 0.01
+    assert not opts.exact and BitTrainOptions(enabled=True).exact
+    with pytest.raises(ValueError, match="store_dtype"):
+        BitTrainOptions(enabled=True, store_dtype="int8")
+    # as an edgeflux.memory StepContext
+    torch.manual_seed(0)
+    model = build_model("resnet18", width=0.25)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loss = training_step_fn(model, opt, fmnist[0][:4], fmnist[1][:4], context=BitTrainOptions(enabled=True).context)()
+    assert math.isfinite(loss)
+    summary = compressed_activations(units=model).summary()
+    assert summary["options"] == {"threshold": 0.0, "min_bytes": 4096, "store_dtype": None, "double_mask": False}
+    assert isinstance(summary["total"], dict) and list(summary["units"])[:2] == ["stem", "block1.0"]
+
+
+def test_holders_keep_what_they_should():
+    t = torch.relu(torch.randn(64, 64))
+    kept, packed = _Kept(t), _Packed(compress(t), t)
+    assert kept.tensor.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    assert isinstance(packed.data, BitmapTensor) and torch.equal(packed.unpack(), t)
