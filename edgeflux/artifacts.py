@@ -16,7 +16,9 @@ from torch import nn
 from edgeflux.models import build_model
 
 
-def _atomic_write(path: Path, write) -> None:
+def atomic_write(path: str | Path, write) -> None:
+    """write(tmp_path), then rename over path: a kill mid-write leaves the old file (or none), never half a file."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     write(tmp)
@@ -24,13 +26,21 @@ def _atomic_write(path: Path, write) -> None:
 
 
 def write_json(path: str | Path, data: Any) -> None:
-    _atomic_write(Path(path), lambda p: p.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n"))
+    atomic_write(Path(path), lambda p: p.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n"))
+
+
+def read_json(path: str | Path, missing: str) -> Any:
+    """The JSON in `path`; FileNotFoundError saying `missing` (what makes the file) when it is absent."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: {missing}")
+    return json.loads(path.read_text())
 
 
 def save_model(path: str | Path, model: nn.Module, spec: dict, meta: dict | None = None) -> None:
     """``spec``: build_model keyword arguments (name, num_classes, in_channels, width, ...)."""
     state = {"spec": spec, "state_dict": model.state_dict(), "meta": meta or {}}
-    _atomic_write(Path(path), lambda p: torch.save(state, p))
+    atomic_write(Path(path), lambda p: torch.save(state, p))
 
 
 def load_model(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[nn.Module, dict]:

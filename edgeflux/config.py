@@ -166,6 +166,37 @@ class TrainBPParams(TrainOptions, MemoryOptions):
     model: ModelSpec
 
 
+class CacheParams(_Section):
+    """How NeuroFlux stores block activations on disk (edgeflux.neuroflux.cache)."""
+
+    storage: Literal["dense", "float16", "bittrain"] = "dense"   # float16: half the disk, approximate
+    threshold: float = Field(0.0, ge=0)   # bittrain: prune |x| < threshold (0: exact)
+    shard_samples: int = Field(2048, ge=1)
+
+
+class NeuroFluxParams(TrainOptions, MemoryOptions):
+    """NeuroFlux (stages profile, partition, train_blocks, select_exit). epochs: per block;
+    max_batch: the partitioner's batch size limit B; budget: the memory budget M."""
+
+    model: ModelSpec = ModelSpec(name="vgg16", width=0.25)
+    aux: Literal["adaptive", "classic"] = "adaptive"   # adaptive: AAN-LL filters; classic: classic_filters everywhere
+    classic_filters: int = Field(256, ge=1)
+    aux_pool: int = Field(2, ge=1)        # auxiliary heads average-pool to aux_pool x aux_pool
+    profile_batches: list[int] = Field([16, 32, 64, 128], min_length=2)
+    min_r2: float = Field(0.98, ge=0, le=1)
+    rho: float = Field(0.4, ge=0)         # grouping threshold of Algorithm 1
+    cache: CacheParams = CacheParams()
+    exit_tolerance: float = Field(0.005, ge=0, le=1)   # accuracy (0.005 = 0.5 points)
+    throughput_batch: int = Field(64, ge=1)
+
+    @field_validator("profile_batches")
+    @classmethod
+    def _distinct_positive(cls, batches: list[int]) -> list[int]:
+        if any(b < 1 for b in batches) or len(set(batches)) < 2:
+            raise ValueError("profile_batches needs at least two different batch sizes, each >= 1")
+        return sorted(set(batches))
+
+
 class ReportParams(_Section):
     target_acc: float = Field(0.8, gt=0, le=1)
 
@@ -174,6 +205,7 @@ class Params(_Section):
     data: DataParams = DataParams()
     pretrain: PretrainParams
     train_bp: TrainBPParams
+    neuroflux: NeuroFluxParams = NeuroFluxParams()
     report: ReportParams = ReportParams()
 
 

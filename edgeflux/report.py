@@ -29,6 +29,20 @@ def summary_rows(metrics_dir: Path = Path("metrics"), plots_dir: Path = Path("pl
         curve = plots_dir / "train_bp.csv"
         to_target = time_to_target(*read_curve(curve), target_acc) if curve.exists() and target_acc else None
         rows.append(_row("train_bp", "target (device)", m["model"], m, to_target))
+    train_blocks = metrics_dir / "train_blocks.json"
+    if train_blocks.exists():
+        m = json.loads(train_blocks.read_text())
+        curve = plots_dir / "train_blocks.csv"
+        to_target = time_to_target(*read_curve(curve), target_acc) if curve.exists() and target_acc else None
+        row = {**m, "batch_size": "/".join(map(str, m["batch_sizes"])), "test_acc": m["full_test_acc"]}
+        rows.append(_row("train_blocks (NeuroFlux)", "target (device)", m["model"], row, to_target))
+    select_exit = metrics_dir / "select_exit.json"
+    if select_exit.exists():
+        m = json.loads(select_exit.read_text())
+        rows.append({"stage": "select_exit (NeuroFlux)", "data": "target (device)",
+                     "model": f"{m['model']} exit {m['exit_unit']} ({m['compression']:.1f}x fewer params)",
+                     "batch": "-", "budget": "-", "measured peak": "-", "train s": "-", "to target s": "-",
+                     "test acc": f"{m['test_acc']:.4f}"})
     return rows
 
 

@@ -116,6 +116,23 @@ class StageRun:
     def log_dict(self, data: dict, name: str) -> None:
         mlflow.log_dict(data, name)
 
+    def log_model(self, model, name: str, example=None) -> None:
+        """A PyTorch model as an MLflow model (loadable with mlflow.pytorch.load_model); ``example``: an
+        input batch (tensor) that gives the model its signature."""
+        import mlflow.pytorch
+
+        example = example.detach().cpu().numpy() if example is not None else None
+        # pip_requirements given: MLflow would otherwise resolve the environment by importing and
+        # inspecting every package, slow and noisy on a device.
+        mlflow.pytorch.log_model(model, name=name, input_example=example,
+                                 pip_requirements=[f"torch=={_torch_version()}"])
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__.split("+")[0]
+
 
 def _parent_run(client: MlflowClient, experiment_id: str, pid: str) -> str:
     found = client.search_runs([experiment_id], filter_string=f"tags.`{PIPELINE_KEY_TAG}` = '{pid}'", max_results=1)

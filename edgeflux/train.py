@@ -16,7 +16,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from torch import nn
 
+from edgeflux.artifacts import atomic_write
 from edgeflux.config import TrainOptions
 from edgeflux.data import batches
 from edgeflux.memory import StepContext, no_context
@@ -89,14 +89,11 @@ def run_signature(**parts) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def _save_checkpoint(path: Path, state: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)  # atomic: a kill mid-write leaves the previous checkpoint intact
+def save_checkpoint(path: Path, state: dict) -> None:
+    atomic_write(path, lambda tmp: torch.save(state, tmp))  # a kill mid-write leaves the previous checkpoint
 
 
-def _load_checkpoint(path: Path, signature: str) -> dict | None:
+def load_checkpoint(path: Path, signature: str) -> dict | None:
     if not path.exists():
         return None
     try:
@@ -119,14 +116,15 @@ def fit(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor], val: tuple[t
         opts: TrainOptions, batch_size: int, *, device: torch.device | str = "cpu",
         checkpoint: Path | None = None, signature: str = "", desc: str = "train",
         on_epoch_end: Callable[[int, TrainResult], None] | None = None,
-        context: StepContext | None = None) -> TrainResult:
+        context: StepContext | None = None, test: tuple[torch.Tensor, torch.Tensor] | None = None) -> TrainResult:
     """Train ``model`` in place for ``opts.epochs`` epochs at ``batch_size``.
 
     ``context(model)`` is entered around each forward and backward (how activations are saved,
     e.g. BitTrain); the batch-size measurement uses the same one.
 
     ``on_epoch_end(epoch, result)`` runs after each epoch's checkpoint is written (tests use it to
-    interrupt a run). Deletes the checkpoint when training completes.
+    interrupt a run). Deletes the checkpoint when training completes. ``test``: also record test
+    accuracy at every evaluation (benchmarks' time-to-target curves; never used to choose anything).
     """
     device = torch.device(device)
     context = context or no_context
@@ -141,7 +139,7 @@ def fit(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor], val: tuple[t
     result = TrainResult()
     start_epoch = 0
     signature = signature or run_signature(opts=opts.model_dump(), batch_size=batch_size, n=len(x_train))
-    if checkpoint is not None and (state := _load_checkpoint(checkpoint, signature)):
+    if checkpoint is not None and (state := load_checkpoint(checkpoint, signature)):
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -175,6 +173,9 @@ def fit(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor], val: tuple[t
                     model.train()
                     row = {"step": result.steps, "epoch": epoch + i / steps_per_epoch, "time_s": result.train_time_s,
                            "train_loss": loss_sum / loss_n, "val_acc": val_acc}
+                    if test is not None:
+                        row["test_acc"] = evaluate(model, *test, batch_size=batch_size, device=device)
+                        model.train()
                     result.history.append(row)
                     log.info("%s: epoch %.2f step %d loss %.4f val_acc %.4f (%.1fs training)", desc,
                              row["epoch"], row["step"], row["train_loss"], val_acc, result.train_time_s)
@@ -185,7 +186,7 @@ def fit(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor], val: tuple[t
             result.train_time_s += time.perf_counter() - tick
             result.epochs_done = epoch + 1
             if checkpoint is not None:
-                _save_checkpoint(checkpoint, {
+                save_checkpoint(checkpoint, {
                     "signature": signature, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state(),
                     "result": {k: v for k, v in vars(result).items()},

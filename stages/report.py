@@ -12,7 +12,7 @@ from edgeflux.report import markdown_table, plot_accuracy_vs_time, summary_rows
 from stages.common import run_stage, stage_parser
 
 SUMMARY, PLOT = Path("reports/summary.md"), Path("reports/accuracy_vs_time.png")
-CURVES = {"backprop (train_bp)": Path("plots/train_bp.csv")}
+CURVES = {"backprop (train_bp)": Path("plots/train_bp.csv"), "NeuroFlux (train_blocks)": Path("plots/train_blocks.csv")}
 
 
 def show() -> None:

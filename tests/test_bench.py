@@ -45,3 +45,23 @@ def test_bittrain_quick_writes_table1_and_training_rows(tmp_path):
     assert train["bitmap"]["peak_bytes"] < train["dense"]["peak_bytes"]
     assert train["prune 0.1"]["achieved_bytes"] < train["bitmap"]["achieved_bytes"]
     assert "| vgg16_nobn |" in (tmp_path / "bittrain.md").read_text()
+
+
+def test_neuroflux_quick_compares_three_methods_at_equal_budgets(tmp_path):
+    cmd = [sys.executable, "bench/neuroflux.py", "--quick", "--out", str(tmp_path)]
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True, timeout=900)
+    result = json.loads((tmp_path / "neuroflux.json").read_text())
+    rows = result["rows"]
+    for r in rows:
+        assert {"method", "budget_bytes", "peak_bytes", "time_to_target_s", "test_acc", "params"} <= set(r)
+    low = min(r["budget_bytes"] for r in rows)
+    by = {(r["method"], r["budget_bytes"]): r for r in rows}
+    assert not by[("backprop", low)]["feasible"]          # below backprop's batch-1 minimum ...
+    assert by[("NeuroFlux", low)]["feasible"]             # ... NeuroFlux still trains
+    for r in rows:
+        if r["feasible"]:
+            assert r["peak_bytes"] <= r["budget_bytes"] and r["within_budget"]
+    high = max(r["budget_bytes"] for r in rows)
+    assert by[("NeuroFlux", high)]["params"] <= by[("backprop", high)]["params"]   # an early exit, never bigger
+    assert (tmp_path / "neuroflux.md").read_text().count("| vgg11-w0.125 |") == len(rows)
+    assert (tmp_path / "neuroflux.png").stat().st_size > 10_000

@@ -18,7 +18,11 @@ QUICK = {
                  "batch_size": 64, "evals_per_epoch": 1, "device": "cpu"},
     "train_bp": {"model": {"name": "vgg11", "width": 0.125}, "budget": "3MB", "max_batch": 64, "epochs": 1,
                  "max_train_samples": 400, "evals_per_epoch": 2, "device": "cpu"},
+    "neuroflux": {"model": {"name": "vgg11", "width": 0.125}, "budget": "2MB", "max_batch": 64, "epochs": 1,
+                  "max_train_samples": 400, "evals_per_epoch": 1, "profile_batches": [8, 16, 32], "min_r2": 0.9,
+                  "cache": {"storage": "float16", "threshold": 0.0, "shard_samples": 128}, "device": "cpu"},
 }
+NEUROFLUX = ["profile", "partition", "train_blocks", "select_exit"]
 
 
 def sh(cmd, cwd, check=True):
@@ -49,7 +53,7 @@ def project(tmp_path_factory):
 
 def test_repro_then_noop_then_exp_run(project):
     first = sh("dvc repro", project)
-    for stage in ("prepare", "pretrain", "train_bp", "report"):
+    for stage in ("prepare", "pretrain", "train_bp", *NEUROFLUX, "report"):
         assert f"Running stage '{stage}'" in first.stdout
     metrics = json.loads((project / "metrics/train_bp.json").read_text())
     assert metrics["peak_mem_bytes"] <= metrics["budget_bytes"] == 3_000_000
@@ -60,6 +64,20 @@ def test_repro_then_noop_then_exp_run(project):
     assert "| train_bp | target (device) | vgg11-w0.125 |" in (project / "reports/summary.md").read_text()
     assert (project / "reports/accuracy_vs_time.png").stat().st_size > 10_000
 
+    # NeuroFlux: every block's measured step within the budget, caches as a DVC output, a compact exit
+    blocks = json.loads((project / "partition/blocks.json").read_text())["blocks"]
+    trained = json.loads((project / "metrics/train_blocks.json").read_text())
+    assert trained["within_budget"] and trained["peak_mem_bytes"] <= 2_000_000
+    assert [u for b in trained["block_results"] for u in b["units"]] == list(range(9))   # vgg11: 8 convs + classifier
+    assert len(trained["block_results"]) >= len(blocks)
+    assert (project / "cache/neuroflux/block0/train/manifest.json").exists()
+    exit_metrics = json.loads((project / "metrics/select_exit.json").read_text())
+    assert exit_metrics["params"] <= exit_metrics["full_params"] and exit_metrics["test_acc"] > 0.2
+    import torch
+    compact = torch.load(project / "models/neuroflux_exit.pt", weights_only=False)
+    assert compact(torch.zeros(2, 1, 32, 32)).shape == (2, 10)
+    assert "select_exit (NeuroFlux)" in (project / "reports/summary.md").read_text()
+
     second = sh("dvc repro", project)
     assert "Running stage" not in second.stdout
     assert "Data and pipelines are up to date" in second.stdout
@@ -68,6 +86,7 @@ def test_repro_then_noop_then_exp_run(project):
     exp = sh("dvc exp run -S train_bp.lr=0.01 -S train_bp.bittrain.enabled=true", project)
     assert "Running stage 'train_bp'" in exp.stdout and "Running stage 'report'" in exp.stdout
     assert "Running stage 'pretrain'" not in exp.stdout and "Running stage 'prepare'" not in exp.stdout
+    assert not any(f"Running stage '{stage}'" in exp.stdout for stage in NEUROFLUX)
     shown = sh("dvc exp show --json", project).stdout
     assert '"lr": 0.01' in shown
     with_bittrain = json.loads((project / "metrics/train_bp.json").read_text())
@@ -83,7 +102,7 @@ def test_repro_then_noop_then_exp_run(project):
     first_children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") in parents]
     assert len(parents) == 2  # the first repro and the exp run
     assert sorted(r.data.tags["edgeflux.stage"] for r in first_children) == sorted(
-        ["prepare", "pretrain", "train_bp", "report", "train_bp", "report"])
+        ["prepare", "pretrain", "train_bp", *NEUROFLUX, "report", "train_bp", "report"])
     bp = [r for r in first_children if r.data.tags["edgeflux.stage"] == "train_bp"]
     assert {r.data.params["lr"] for r in bp} == {"0.05", "0.01"}
     assert all(r.data.metrics["peak_mem_bytes"] <= 3_000_000 for r in bp)
@@ -108,6 +127,15 @@ def test_budget_below_batch_one_stops_with_smallest_feasible(project):
     assert out.returncode == 2 and "smallest feasible budget" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_neuroflux_budget_below_a_units_batch_one_names_the_unit(project):
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["neuroflux"]["budget"] = "10KB"
+    (project / "tiny_nf.yaml").write_text(yaml.safe_dump(params))
+    out = sh("python -m stages.partition --params tiny_nf.yaml", project, check=False)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "unit 0" in out.stderr and "raise the budget to at least" in out.stderr
+
+
 def test_missing_dataset_gives_install_command(project, tmp_path):
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["data"].update(dataset="fashion-mnist", root=str(tmp_path / "nowhere"))
@@ -126,7 +154,10 @@ def test_stage_graph_is_read_from_dvc_yaml():
 
     graph = stage_graph(REPO / "dvc.yaml")
     assert graph == {"prepare": set(), "pretrain": {"prepare"}, "train_bp": {"prepare"},
-                     "report": {"pretrain", "train_bp"}}
+                     "profile": {"prepare"}, "partition": {"profile"},
+                     "train_blocks": {"prepare", "profile", "partition"}, "select_exit": {"prepare", "train_blocks"},
+                     "report": {"pretrain", "train_bp", "train_blocks", "select_exit"}}
+    assert stages_for("select_exit", graph) == ["prepare", "profile", "partition", "train_blocks", "select_exit"]
     assert stages_for("train_bp", graph) == ["prepare", "train_bp"]
     assert stages_for(None, graph)[-1] == "report"
     with pytest.raises(ValueError, match="unknown stage 'trian_bp'"):

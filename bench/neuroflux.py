@@ -1,0 +1,245 @@
+"""NeuroFlux vs backprop vs classic local learning at equal memory budgets (the paper's Figures 11-12).
+
+For each model and budget, in one run on this machine:
+
+* NeuroFlux: AAN-LL auxiliary heads, the measured per-unit profile, Algorithm 1's blocks and batch
+  sizes, block-wise training over cached activations, the compact early-exit model;
+* backprop: the largest batch whose measured training step fits the budget (infeasible below
+  its batch-1 minimum);
+* classic local learning: 256-filter auxiliary heads, one batch size for every unit (the largest
+  all units fit), layer by layer, each unit's input recomputed through the trained units before it.
+
+Budgets are fractions of backprop's measured batch-1 minimum for each model (so the first one,
+below 1, is a budget where backprop cannot run at all). Every method trains the same number of
+epochs per unit; each records test accuracy against training time. Reported per method and
+budget: measured peak (max over blocks), batch sizes, time to the target test accuracy, final test
+accuracy, test accuracy at a fixed time (the fastest method's total time for that model and
+budget), and the parameters of the output model. NeuroFlux's time includes profiling, measuring
+and writing caches.
+
+    python bench/neuroflux.py                  # full run, results in bench/results/
+    python bench/neuroflux.py --quick --out /tmp/bench
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import BenchResult, RESULTS_DIR  # noqa: E402
+from edgeflux.backprop import train_under_budget  # noqa: E402
+from edgeflux.config import MemoryOptions, NeuroFluxParams  # noqa: E402
+from edgeflux.data import load_raw, prepare, tensors  # noqa: E402
+from edgeflux.memory import BudgetTooSmallError, format_bytes, measure_training_peak  # noqa: E402
+from edgeflux.models import build_model, count_params  # noqa: E402
+from edgeflux.neuroflux.aux import exit_params  # noqa: E402
+from edgeflux.neuroflux.exit import select_exit  # noqa: E402
+from edgeflux.neuroflux.model import build_learners  # noqa: E402
+from edgeflux.neuroflux.partition import Block, partition, unit_batch_sizes  # noqa: E402
+from edgeflux.neuroflux.profile import profile_units, profiling_seconds  # noqa: E402
+from edgeflux.neuroflux.worker import CacheOptions, train_blocks  # noqa: E402
+from edgeflux.train import optimizer_factory  # noqa: E402
+
+log = logging.getLogger("bench.neuroflux")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="CI-sized run: one narrow model, 512 training images, 1 epoch, two budgets")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="directory for neuroflux.{json,md,png}")
+    parser.add_argument("--models", nargs="+", default=["vgg16", "vgg19", "resnet18"], help="zoo models to compare")
+    parser.add_argument("--width", type=float, default=0.25, help="width multiplier (narrow enough for a CPU)")
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.6, 1.5, 4.0],
+                        help="budgets as fractions of backprop's measured batch-1 minimum per model")
+    parser.add_argument("--train-samples", type=int, default=8000, help="Fashion-MNIST training images (target split)")
+    parser.add_argument("--eval-samples", type=int, default=3000, help="validation and test images")
+    parser.add_argument("--epochs", type=int, default=2, help="epochs per unit (NeuroFlux/classic: per block; backprop: total)")
+    parser.add_argument("--target-acc", type=float, default=0.85, help="target test accuracy for time-to-target")
+    parser.add_argument("--max-batch", type=int, default=256, help="batch size limit B for every method")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--combine", type=Path, nargs="+", default=None, metavar="JSON",
+                        help="instead of running: merge neuroflux.json files of runs over different --models "
+                             "(e.g. one process per core) into one result in --out")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.models, args.width, args.budgets = ["vgg11"], 0.125, [0.6, 3.0]
+        args.train_samples, args.eval_samples, args.epochs, args.target_acc = 512, 256, 1, 0.5
+    return args
+
+
+def time_to(history: list[dict], target: float, offset: float = 0.0) -> float | None:
+    return next((offset + r["time_s"] for r in history if r.get("test_acc", 0.0) >= target), None)
+
+
+def acc_at(history: list[dict], seconds: float, offset: float = 0.0) -> float:
+    """Test accuracy of the last evaluation at or before `seconds` of training (0 if none yet)."""
+    return max((r["test_acc"] for r in history if offset + r["time_s"] <= seconds + 1e-9 and "test_acc" in r),
+               default=0.0)
+
+
+def run_backprop(spec, splits, opts, budget, args) -> dict:
+    model = build_model(**spec)
+    memory = MemoryOptions(budget=f"{budget}B", max_batch=args.max_batch)
+    try:
+        run = train_under_budget(model, splits["train"], splits["val"], splits["test"], spec["num_classes"], opts,
+                                 memory, torch.device("cpu"), desc="backprop", track_test=True)
+    except BudgetTooSmallError as exc:
+        return {"method": "backprop", "feasible": False, "min_feasible_bytes": exc.min_feasible_bytes}
+    return {"method": "backprop", "feasible": True, "peak_bytes": run.step_memory.peak_bytes,
+            "batch_sizes": [run.batch_size], "train_time_s": run.train.train_time_s, "history": run.train.history,
+            "test_acc": run.test_acc, "params": count_params(model), "offset": 0.0}
+
+
+def run_local(spec, splits, opts, budget, args, classic: bool) -> dict:
+    method = "classic LL" if classic else "NeuroFlux"
+    aux = dict(mode="classic" if classic else "adaptive", classic_filters=256, pool=2, seed=0)
+    model, learners = build_learners(spec, aux)
+    profiles = profile_units(learners, model.describe(), spec["num_classes"], optimizer_factory(opts),
+                             batches=(16, 32, 64, 128), data=splits["train"], min_r2=0.0)
+    profile_s = profiling_seconds(profiles)
+    models = [p.model for p in profiles]
+    try:
+        if classic:   # one batch size for the whole network, each unit trained on its own
+            batch = min(unit_batch_sizes(models, budget, args.max_batch))
+            blocks = [Block(index=i, units=(i,), batch_size=batch) for i in range(len(learners))]
+        else:
+            blocks = partition(models, budget, args.max_batch)
+        with tempfile.TemporaryDirectory() as tmp:
+            run = train_blocks(learners, blocks, splits, opts, workdir=Path(tmp) / "cache", budget_bytes=budget,
+                               cache=CacheOptions(storage="float16"), use_cache=not classic, desc=method,
+                               split_rho=None if classic else 0.4)
+    except BudgetTooSmallError as exc:
+        return {"method": method, "feasible": False, "min_feasible_bytes": exc.min_feasible_bytes}
+    params = [exit_params(learners, k) for k in range(len(learners))]
+    if classic:   # classic local learning outputs the whole network
+        k = len(learners) - 1
+    else:
+        k = select_exit(run.unit_val_acc, params, tolerance=0.005)
+    return {"method": method, "feasible": True, "peak_bytes": run.peak_bytes,
+            "batch_sizes": [b.batch_size for b in run.blocks], "train_time_s": profile_s + run.train_time_s,
+            "profile_s": profile_s, "history": run.history, "test_acc": run.unit_test_acc[k],
+            "full_test_acc": run.unit_test_acc[-1], "exit": k, "params": params[k], "offset": profile_s,
+            "within_budget": all(b.peak_bytes <= budget for b in run.blocks)}
+
+
+def plot(rows: list[dict], path: Path, target: float) -> None:
+    """Test accuracy vs training time per model (columns) and budget (rows): the paper's Figure 12."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fracs = sorted({r["budget_frac_of_bp_min"] for r in rows})
+    fig, axes = plt.subplots(len(fracs), len(models), figsize=(5 * len(models), 3.6 * len(fracs)), squeeze=False)
+    for i, frac in enumerate(fracs):
+        for j, model in enumerate(models):
+            ax = axes[i][j]
+            for r in rows:
+                if r["model"] == model and r["budget_frac_of_bp_min"] == frac and r.get("curve"):
+                    t, acc = zip(*r["curve"])
+                    ax.plot(t, acc, marker=".", label=r["method"])
+            budget = next(r["budget_bytes"] for r in rows if r["model"] == model and r["budget_frac_of_bp_min"] == frac)
+            ax.axhline(target, color="grey", linestyle="--", linewidth=1)
+            ax.set(title=f"{model}, budget {format_bytes(budget)} ({frac:g}x BP min)", xlabel="training time (s)",
+                   ylabel="test accuracy")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(rows: list[dict], speedups: list[dict], args, notes: str) -> None:
+    result = BenchResult()
+    result.rows = rows
+    md_rows = [{**r, "budget": format_bytes(r["budget_bytes"]),
+                "peak": format_bytes(r["peak_bytes"]) if r.get("peak_bytes") else "infeasible"} for r in rows]
+    result.add_section(f"Speed-ups to {args.target_acc:.0%} test accuracy (time ratio, same budget, same process)",
+                       speedups)
+    columns = {"model": "model", "method": "method", "budget": "budget", "peak": "measured peak",
+               "batch_sizes": "batch per block", "time_to_target_s": f"s to {args.target_acc:.0%}",
+               "test_acc": "final test acc", "test_acc_at_fixed_time": "test acc at fixed time",
+               "fixed_time_s": "fixed time s", "params": "params (output model)", "within_budget": "peak <= budget"}
+    result.write("neuroflux", args.out, title="NeuroFlux vs backprop vs classic local learning at equal budgets",
+                 columns=columns, md_rows=md_rows, notes=notes,
+                 extra={"speedups": speedups, "settings": {k: (str(v) if isinstance(v, Path) else v)
+                                                           for k, v in vars(args).items()}})
+    plot(rows, args.out / "neuroflux.png", args.target_acc)
+    print(f"wrote {args.out / 'neuroflux.json'}, .md and .png")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.combine:
+        parts = [json.loads(Path(p).read_text()) for p in args.combine]
+        rows = [r for part in parts for r in part["rows"]]
+        speedups = [e for part in parts for e in part["speedups"]]
+        notes = " | ".join(f"{part['command']}: {part['notes']}" for part in parts)
+        return write(rows, speedups, args, notes)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    data = prepare(load_raw("fashion-mnist"), image_size=32, val_fraction=0.1, seed=0, split_by="data")
+    splits = {"train": tensors(data, "target_train", limit=args.train_samples),
+              "val": tensors(data, "target_val", limit=args.eval_samples),
+              "test": tensors(data, "target_test", limit=args.eval_samples)}
+    opts = NeuroFluxParams(epochs=args.epochs, lr=0.05, momentum=0.9, weight_decay=5e-4, evals_per_epoch=2, seed=0)
+    rows, speedups = [], []
+    started = time.perf_counter()
+    for name in args.models:
+        spec = dict(name=name, num_classes=len(data.classes), in_channels=1, width=args.width, image_size=32,
+                    batch_norm=True, seed=0)
+        bp_min = measure_training_peak(build_model(**spec), optimizer_factory(opts), (1, 32, 32), spec["num_classes"],
+                                       1, data=splits["train"]).peak_bytes
+        for frac in args.budgets:
+            budget = int(frac * bp_min)
+            print(f"{name} w{args.width:g}: budget {format_bytes(budget)} ({frac:g} x backprop's batch-1 minimum "
+                  f"{format_bytes(bp_min)})", flush=True)
+            runs = [run_local(spec, splits, opts, budget, args, classic=False),
+                    run_backprop(spec, splits, opts, budget, args),
+                    run_local(spec, splits, opts, budget, args, classic=True)]
+            fixed_time = min((r["train_time_s"] for r in runs if r["feasible"]), default=0.0)
+            for r in runs:
+                row = {"model": f"{name}-w{args.width:g}", "method": r["method"], "budget_bytes": budget,
+                       "budget_frac_of_bp_min": frac, "feasible": r["feasible"]}
+                if r["feasible"]:
+                    row.update(peak_bytes=r["peak_bytes"], batch_sizes=r["batch_sizes"],
+                               time_to_target_s=time_to(r["history"], args.target_acc, r["offset"]),
+                               test_acc=r["test_acc"], test_acc_at_fixed_time=acc_at(r["history"], fixed_time, r["offset"]),
+                               fixed_time_s=fixed_time, train_time_s=r["train_time_s"], params=r["params"],
+                               within_budget=r.get("within_budget", r["peak_bytes"] <= budget),
+                               **{k: r[k] for k in ("exit", "full_test_acc", "profile_s") if k in r})
+                else:
+                    row.update(peak_bytes=None, time_to_target_s=None, test_acc=None, params=None,
+                               min_feasible_bytes=r["min_feasible_bytes"])
+                if r["feasible"]:
+                    row["curve"] = [[r["offset"] + h["time_s"], h["test_acc"]] for h in r["history"]]
+                rows.append(row)
+            nf = next(r for r in runs if r["method"] == "NeuroFlux")
+            nf_t = time_to(nf["history"], args.target_acc, nf["offset"]) if nf["feasible"] else None
+            entry = {"model": f"{name}-w{args.width:g}", "budget_bytes": budget, "neuroflux_to_target_s": nf_t}
+            for r in runs[1:]:
+                t = time_to(r["history"], args.target_acc, r["offset"]) if r["feasible"] else None
+                entry[f"speedup_vs_{r['method'].replace(' ', '_')}"] = t / nf_t if t and nf_t else None
+            bp = runs[1]
+            entry["param_reduction_vs_full"] = (bp["params"] / nf["params"]) if nf["feasible"] and bp["feasible"] \
+                else (count_params(build_model(**spec)) / nf["params"] if nf["feasible"] else None)
+            speedups.append(entry)
+    write(rows, speedups, args, f"Fashion-MNIST target split, {args.train_samples} training images, {args.eval_samples} "
+          f"validation and test images, {args.epochs} epochs per unit, torch threads {torch.get_num_threads()}; "
+          f"bench time {time.perf_counter() - started:.0f}s.")
+
+
+if __name__ == "__main__":
+    main()

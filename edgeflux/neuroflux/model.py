@@ -1,0 +1,46 @@
+"""The NeuroFlux model: a zoo model's units with their auxiliary heads, built and saved the same way
+by every stage (profile, train_blocks and select_exit must agree on every weight's origin)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from edgeflux.artifacts import atomic_write
+from edgeflux.config import NeuroFluxParams
+from edgeflux.models import UnitModel, build_model
+
+from .aux import LocalLearner, local_learners
+
+
+def build_args(p: NeuroFluxParams, num_classes: int, in_channels: int, image_size: int) -> dict:
+    """build_model keyword arguments for the params (seeded: the same params give the same weights)."""
+    return dict(name=p.model.name, num_classes=num_classes, in_channels=in_channels, width=p.model.width,
+                image_size=image_size, batch_norm=p.model.batch_norm, seed=p.seed)
+
+
+def aux_args(p: NeuroFluxParams) -> dict:
+    return dict(mode=p.aux, classic_filters=p.classic_filters, pool=p.aux_pool, seed=p.seed)
+
+
+def build_learners(spec: dict, aux: dict) -> tuple[UnitModel, list[LocalLearner]]:
+    """The model (untrained, seeded) and one LocalLearner per unit sharing its modules."""
+    model = build_model(**spec)
+    return model, local_learners(model, **aux)
+
+
+def save_learners(path: str | Path, learners: list[LocalLearner], spec: dict, aux: dict, meta: dict | None = None) -> None:
+    state = {"spec": spec, "aux": aux, "learners": [learner.state_dict() for learner in learners], "meta": meta or {}}
+    atomic_write(Path(path), lambda tmp: torch.save(state, tmp))
+
+
+def load_learners(path: str | Path) -> tuple[UnitModel, list[LocalLearner], dict]:
+    """Rebuild what save_learners wrote: (model, learners, meta)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no trained NeuroFlux model; run `dvc repro train_blocks` first")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    model, learners = build_learners(state["spec"], state["aux"])
+    for learner, sd in zip(learners, state["learners"], strict=True):
+        learner.load_state_dict(sd)
+    return model, learners, state["meta"]

@@ -1,0 +1,165 @@
+"""The Partitioner: NeuroFlux Algorithm 1, contiguous blocks of units with their batch sizes.
+
+    sizes = unit_batch_sizes(models, budget, batch_limit)      # lines 2-5
+    blocks = partition(models, budget, batch_limit, rho=0.4)   # lines 1-17
+
+`models` holds one linear memory model per unit from the Profiler, (a, b) in bytes:
+peak = a * batch + b. Each unit gets the largest batch whose predicted peak fits the budget,
+capped at the batch limit. Then units are grouped: a block starts at unit i and takes unit i+1
+while |b[i+1] - b[i]| <= rho * b[i], comparing each unit with the one before it; the block's
+batch size is the smallest of its units'.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from pathlib import Path
+
+from edgeflux.artifacts import read_json, write_json
+from edgeflux.memory import BudgetTooSmallError, format_bytes
+
+log = logging.getLogger(__name__)
+
+UNBOUNDED = sys.maxsize   # max_batch_for's answer when memory does not grow with the batch
+
+
+@dataclass(frozen=True)
+class Block:
+    """Contiguous units trained together at one batch size."""
+
+    index: int
+    units: tuple[int, ...]
+    batch_size: int
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["units"] = list(self.units)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Block:
+        return cls(index=int(d["index"]), units=tuple(int(u) for u in d["units"]), batch_size=int(d["batch_size"]))
+
+
+def max_batch_for(a: float, b: float, budget_bytes: float) -> int:
+    """The largest integer batch t with a*t + b <= budget_bytes; 0 when batch 1 does not fit.
+
+    Exact: the comparison is done in rational arithmetic on the given floats, so a peak that
+    lands exactly on the budget fits and one byte more does not. A slope a <= 0 (memory that
+    does not grow with the batch; real peaks always grow, so only a flat fit gives this) is
+    unbounded when batch 1 fits: UNBOUNDED, which the caller caps at its batch limit.
+    """
+    for name, v in (("a", a), ("b", b), ("budget_bytes", budget_bytes)):
+        if not math.isfinite(v):
+            raise ValueError(f"max_batch_for needs finite numbers, got {name}={v!r}")
+    fa, fb, fm = Fraction(a), Fraction(b), Fraction(budget_bytes)
+    if fa <= 0:
+        return UNBOUNDED if fa + fb <= fm else 0
+    t = math.floor((fm - fb) / fa)
+    return 0 if t < 1 else min(t, UNBOUNDED)
+
+
+def min_budget_bytes(models: Sequence[tuple[float, float]]) -> int:
+    """The smallest whole-byte budget under which every unit fits batch 1: max over units of ceil(a + b)."""
+    return max(math.ceil(Fraction(a) + Fraction(b)) for a, b in models)
+
+
+class UnitDoesNotFitError(BudgetTooSmallError):
+    """A unit's training step at batch size 1 is predicted to exceed the memory budget."""
+
+    def __init__(self, budget_bytes: int, min_feasible_bytes: int, unit_index: int, unit_name: str | None = None,
+                 unit_bytes: int | None = None, others: Sequence[int] = ()) -> None:
+        super().__init__(budget_bytes, min_feasible_bytes)
+        self.unit_index, self.unit_name, self.unit_bytes = unit_index, unit_name, unit_bytes
+        unit = f"unit {unit_index}" + (f" ({unit_name})" if unit_name else "")
+        needs = f" needs {format_bytes(unit_bytes)} ({unit_bytes} bytes)" if unit_bytes is not None else " does not fit"
+        more = f"; units {list(others)} do not fit either" if others else ""
+        need = f"{format_bytes(min_feasible_bytes)} ({min_feasible_bytes} bytes)"
+        self.args = (
+            f"{unit}{needs} for one local-learning step at batch size 1 (its profiled linear model), above "
+            f"the memory budget {format_bytes(budget_bytes)} ({budget_bytes} bytes){more}. Every unit fits "
+            f"batch 1 from {need}: raise the budget to at least {need}, or choose a smaller/narrower model "
+            f"(or the adaptive auxiliary networks).",)
+
+
+def _check_args(models: Sequence[tuple[float, float]], budget_bytes: float, batch_limit: int,
+                names: Sequence[str] | None) -> None:
+    if not models:
+        raise ValueError("partition needs one (a, b) memory model per unit; got none (run the profiler first)")
+    if not (isinstance(budget_bytes, (int, float)) and math.isfinite(budget_bytes) and budget_bytes > 0):
+        raise ValueError(f"budget_bytes must be a positive number of bytes, got {budget_bytes!r}")
+    if isinstance(batch_limit, bool) or not (isinstance(batch_limit, int) and batch_limit >= 1):
+        raise ValueError(f"batch_limit must be an int >= 1 (the paper caps batches at 32..512), got {batch_limit!r}")
+    if names is not None and len(names) != len(models):
+        raise ValueError(f"names has {len(names)} entries for {len(models)} units")
+
+
+def unit_batch_sizes(models: Sequence[tuple[float, float]], budget_bytes: float, batch_limit: int,
+                     names: Sequence[str] | None = None) -> list[int]:
+    """Algorithm 1 lines 2-5: b_l = min(max batch under the budget, batch_limit) for every unit.
+
+    Raises UnitDoesNotFitError (a BudgetTooSmallError) naming the first unit whose batch 1 does
+    not fit, with the smallest budget at which every unit fits.
+    """
+    _check_args(models, budget_bytes, batch_limit, names)
+    sizes = [min(max_batch_for(a, b, budget_bytes), batch_limit) for a, b in models]
+    bad = [i for i, s in enumerate(sizes) if s < 1]
+    if bad:
+        i = bad[0]
+        a, b = models[i]
+        raise UnitDoesNotFitError(int(budget_bytes), min_budget_bytes(models), i, names[i] if names else None,
+                                  unit_bytes=math.ceil(Fraction(a) + Fraction(b)), others=bad[1:])
+    return sizes
+
+
+def group(sizes: Sequence[int], rho: float = 0.4) -> list[Block]:
+    """Algorithm 1 lines 6-17 on per-unit batch sizes: contiguous blocks, batch = min over the block.
+
+    rho is read as the decimal the user wrote (0.4 is exactly 40%: 4 against 10 is inside it),
+    not as its binary approximation, so boundary cases do not depend on float rounding.
+    """
+    if not (isinstance(rho, (int, float)) and not isinstance(rho, bool) and math.isfinite(rho) and rho >= 0):
+        raise ValueError(f"rho (the grouping threshold) must be a number >= 0, e.g. 0.4 for 40%, got {rho!r}")
+    r = Fraction(str(rho))
+    blocks: list[Block] = []
+    i, n = 0, len(sizes)
+    while i < n:                                                  # line 6 (the while loop advances i past a block)
+        units, batch = [i], sizes[i]                              # lines 7-9
+        while i + 1 < n and abs(sizes[i + 1] - sizes[i]) <= r * sizes[i]:   # line 10: compare with the unit before
+            batch = min(batch, sizes[i + 1])                      # line 11
+            units.append(i + 1)                                   # line 12
+            i += 1                                                # line 13
+        blocks.append(Block(index=len(blocks), units=tuple(units), batch_size=batch))   # line 15
+        i += 1
+    return blocks
+
+
+def partition(models: Sequence[tuple[float, float]], budget_bytes: float, batch_limit: int, rho: float = 0.4,
+              names: Sequence[str] | None = None) -> list[Block]:
+    """NeuroFlux Algorithm 1: blocks of contiguous units and their batch sizes under `budget_bytes`.
+
+    models: (a, b) per unit, predicted peak bytes = a * batch + b (the Profiler's fits).
+    batch_limit: the cap B on any batch size. rho: the grouping threshold (0.4 in the paper).
+    names: unit names, for error messages.
+    """
+    sizes = unit_batch_sizes(models, budget_bytes, batch_limit, names)
+    blocks = group(sizes, rho)
+    log.info("partitioned %d units under %s (batch limit %d, rho %g): per-unit batches %s -> %d blocks %s",
+             len(models), format_bytes(budget_bytes), batch_limit, rho, sizes, len(blocks),
+             [(list(bl.units), bl.batch_size) for bl in blocks])
+    return blocks
+
+
+def save_blocks(path: str | Path, blocks: Sequence[Block], meta: dict | None = None) -> None:
+    """Write the blocks and `meta` (budget, limit, rho, per-unit batches, ...) as JSON, atomically."""
+    write_json(path, {"blocks": [b.to_dict() for b in blocks], "meta": meta or {}})
+
+
+def load_blocks(path: str | Path) -> tuple[list[Block], dict]:
+    """Read what save_blocks wrote: (blocks, meta)."""
+    data = read_json(path, "run the partition stage first (`dvc repro partition`)")
+    return [Block.from_dict(d) for d in data["blocks"]], data.get("meta", {})

@@ -1,0 +1,61 @@
+"""Stage select_exit (NeuroFlux §4): the compact early-exit model.
+
+Chooses the exit with the fewest parameters whose validation accuracy is within
+neuroflux.exit_tolerance of the best exit, exports units[0..exit] + that exit's auxiliary head as
+one nn.Module (models/neuroflux_exit.pt, loadable with torch.load(..., weights_only=False)) and as
+an MLflow model, and reports test accuracy, parameters and inference throughput of the compact
+model vs the full model. Writes metrics/select_exit.json and plots/exits.png (accuracy and
+parameters per exit).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from edgeflux.artifacts import atomic_write, read_json, write_json
+from edgeflux.data import load_prepared, tensors
+from edgeflux.models.units import count_params
+from edgeflux.neuroflux.aux import exit_params
+from edgeflux.neuroflux.exit import ExitModel, select_exit, throughput
+from edgeflux.neuroflux.model import load_learners
+from edgeflux.neuroflux.plots import plot_exits
+from edgeflux.tracking import stage_run
+from edgeflux.train import evaluate
+from stages.common import run_stage, stage_parser
+
+MODEL, TRAINED = Path("models/neuroflux_exit.pt"), Path("models/neuroflux.pt")
+METRICS, PLOT, TRAIN_METRICS = Path("metrics/select_exit.json"), Path("plots/exits.png"), Path("metrics/train_blocks.json")
+
+
+def main(args, params) -> None:
+    p = params.neuroflux
+    data = load_prepared(Path("data/prepared"))
+    test = tensors(data, "target_test")
+    model, learners, meta = load_learners(TRAINED)
+    trained = read_json(TRAIN_METRICS, "run `dvc repro train_blocks` first")
+    val_acc, test_acc = trained["unit_val_acc"], trained["unit_test_acc"]
+    params_per_exit = [exit_params(learners, k) for k in range(len(learners))]
+    with stage_run("select_exit", {"exit_tolerance": p.exit_tolerance}) as run:
+        k = select_exit(val_acc, params_per_exit, p.exit_tolerance)
+        compact, full = ExitModel(learners, k).eval(), ExitModel(learners, len(learners) - 1).eval()
+        sample_shape = tuple(test[0].shape[1:])
+        metrics = {"model": p.model.key, "exit_index": k, "exit_unit": meta["unit_names"][k],
+                   "exit_val_acc": val_acc[k], "best_val_acc": max(val_acc),
+                   "test_acc": evaluate(compact, *test), "full_test_acc": evaluate(full, *test),
+                   "params": count_params(compact), "full_params": count_params(full),
+                   "throughput_img_s": throughput(compact, sample_shape, p.throughput_batch),
+                   "full_throughput_img_s": throughput(full, sample_shape, p.throughput_batch)}
+        metrics["compression"] = metrics["full_params"] / metrics["params"]
+        metrics["speedup"] = metrics["throughput_img_s"] / metrics["full_throughput_img_s"]
+        write_json(METRICS, metrics)
+        atomic_write(MODEL, lambda tmp: torch.save(compact, tmp))
+        plot_exits(meta["unit_names"], val_acc, test_acc, params_per_exit, k, PLOT)
+        run.log_metrics({k2: v for k2, v in metrics.items() if isinstance(v, (int, float))})
+        run.log_model(compact, "neuroflux_exit", example=test[0][:2])
+        for path in (METRICS, PLOT):
+            run.log_artifact(path)
+
+
+if __name__ == "__main__":
+    run_stage(main, stage_parser(__doc__))

@@ -1,0 +1,69 @@
+"""Stage train_blocks (NeuroFlux §3, Algorithm 2): block-wise adaptive local learning under the budget.
+
+Trains the blocks of partition/blocks.json in order, each at its own batch size (lowered only if
+the measured block step exceeds neuroflux.budget); a finished block's outputs for the train,
+validation and test splits are cached in cache/neuroflux/ (a DVC output) and feed the next block.
+A rerun skips finished blocks whose config and input match, verifies their caches (rebuilding a
+corrupt one) and resumes an interrupted block from its last epoch. Writes models/neuroflux.pt
+(every unit and auxiliary head), metrics/train_blocks.json, plots/train_blocks.csv.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from edgeflux.artifacts import write_json
+from edgeflux.data import load_prepared, tensors
+from edgeflux.neuroflux.model import aux_args, build_args, build_learners, save_learners
+from edgeflux.neuroflux.partition import load_blocks
+from edgeflux.neuroflux.profile import load_profile
+from edgeflux.neuroflux.worker import CacheOptions, train_blocks
+from edgeflux.tracking import stage_run
+from edgeflux.train import resolve_device
+from stages.common import run_stage, stage_parser
+from stages.train_bp import write_history_csv
+
+BLOCKS, PROFILE = Path("partition/blocks.json"), Path("profile/memory.json")
+CACHE, CHECKPOINTS = Path("cache/neuroflux"), Path(".edgeflux/checkpoints/neuroflux")
+MODEL, METRICS, PLOT = Path("models/neuroflux.pt"), Path("metrics/train_blocks.json"), Path("plots/train_blocks.csv")
+
+
+def main(args, params) -> None:
+    p = params.neuroflux
+    data = load_prepared(Path("data/prepared"))
+    device = resolve_device(p.device)
+    splits = {"train": tensors(data, "target_train", limit=p.max_train_samples),
+              "val": tensors(data, "target_val"), "test": tensors(data, "target_test")}
+    x = splits["train"][0]
+    spec, aux = build_args(p, len(data.classes), x.shape[1], x.shape[-1]), aux_args(p)
+    blocks, _ = load_blocks(BLOCKS)
+    with stage_run("train_blocks", p.model_dump()) as run:
+        model, learners = build_learners(spec, aux)
+        result = train_blocks(learners, blocks, splits, p, workdir=CACHE, budget_bytes=p.budget, device=device,
+                              cache=CacheOptions(**p.cache.model_dump()), context=p.bittrain.context,
+                              signature={"spec": spec, "aux": aux, "bittrain": p.bittrain.to_dict()}, checkpoint_dir=CHECKPOINTS,
+                              desc="neuroflux", split_rho=p.rho)
+        profile_s = load_profile(PROFILE)[1]["profiling_seconds"]
+        last = len(learners) - 1
+        metrics = {"model": p.model.key, "device": str(device), "blocks": len(blocks),
+                   "batch_sizes": [b.batch_size for b in result.blocks],
+                   "peak_mem_bytes": result.peak_bytes, "budget_bytes": p.budget,
+                   "within_budget": all(b.peak_bytes <= p.budget for b in result.blocks) if p.budget else None,
+                   "train_time_s": result.train_time_s, "steps": sum(b.steps for b in result.blocks),
+                   "cache_bytes": sum(b.cache_bytes for b in result.blocks),
+                   "profile_time_s": profile_s, "profile_overhead": profile_s / max(result.train_time_s, 1e-9),
+                   "full_val_acc": result.unit_val_acc[last], "full_test_acc": result.unit_test_acc[last],
+                   "best_val_acc": max(result.unit_val_acc), "unit_val_acc": result.unit_val_acc,
+                   "unit_test_acc": result.unit_test_acc, "block_results": result.to_dict()["blocks"]}
+        write_json(METRICS, metrics)
+        write_history_csv(PLOT, [{k: r[k] for k in ("step", "epoch", "time_s", "train_loss", "val_acc")}
+                                 for r in result.history])
+        save_learners(MODEL, learners, spec, aux, meta={"stage": "train_blocks", "blocks": [b.to_dict() for b in blocks],
+                                                       "unit_names": model.unit_names})
+        run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        run.log_history(result.history)
+        for path in (METRICS, PLOT):
+            run.log_artifact(path)
+
+
+if __name__ == "__main__":
+    run_stage(main, stage_parser(__doc__))
