@@ -131,4 +131,6 @@ def bench_argparser(description: str) -> argparse.ArgumentParser:
                         help="CI-sized run: fewer models/settings, small sizes; finishes in a minute or two")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR,
                         help="directory for the results (<name>.json, <name>.md, plots); default: bench/results")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's choice, one per core)")
     return parser

@@ -28,8 +28,9 @@ torch. Packing folds each 8-byte group of the 0/1 mask, read as an int64, into o
 shift-or steps; unpacking gathers from a 256-entry table of 8-byte bit patterns. Selecting the
 values is a branch-free scatter through the running count of kept elements (CPU), restoring
 them a gather through that count from [0, values...]: on CPU each is 1.5-2x faster than
-nonzero/masked_scatter_. Both run in chunks (see _chunk) so that their index buffers stay small:
-for the whole tensor they would be 3-4x its bytes, at the moment backward's peak is reached.
+nonzero/masked_scatter_. Both run in chunks (see _chunk) so that their temporaries (mask, packing
+words, index buffers) stay small: for the whole tensor they would be 3-4x its bytes, added to the
+forward's peak while compressing and to backward's while restoring.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["BitmapTensor", "compress", "theoretical_bytes", "FloatTensorRequired"]
+__all__ = ["BitmapTensor", "compress", "count_kept", "theoretical_bytes", "FloatTensorRequired"]
 
 # _UNPACK[b] is an int64 whose 8 bytes are the bits of b (byte k = bit k): one gather per byte
 _UNPACK: dict[torch.device, Tensor] = {}
@@ -150,13 +151,6 @@ def _unpack_int32(bitmap: Tensor, n: int) -> Tensor:
     return table.index_select(0, bitmap.to(torch.int32)).view(-1)[:n]
 
 
-def _own(t: Tensor) -> Tensor:
-    """t itself if it owns exactly its storage, else a compact copy (so nbytes is what is really held)."""
-    if t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
-
-
 @dataclass(eq=False)
 class BitmapTensor:
     """A tensor stored as a bitmap plus its kept values; ``decompress()`` gives the tensor back."""
@@ -249,46 +243,66 @@ def compress(t: Tensor, threshold: float = 0.0, store_dtype: torch.dtype | None 
         raise ValueError(f"threshold must be >= 0, got {threshold!r}")
     with torch.no_grad():
         flat, stride = _flat(t.detach())
-        padded = _keep_mask(flat, threshold)
-        return _from_mask(flat, padded, t.shape, stride, t.dtype, store_dtype)
+        return _compress_flat(flat, t.shape, stride, threshold, store_dtype)
 
 
-def _from_mask(flat: Tensor, padded: Tensor, shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype,
-               store_dtype: torch.dtype | None, nnz: int | None = None) -> BitmapTensor:
-    """Build the BitmapTensor from the memory-order elements and their padded keep-mask."""
-    n = flat.numel()
-    if nnz is None:
-        nnz = int(torch.count_nonzero(padded))
-    values = _select(flat, padded[:n], nnz) if n else flat.new_empty(0)
-    if store_dtype is not None and store_dtype != dtype:
-        values = values.to(store_dtype)
-    return BitmapTensor(bitmap=_own(_pack(padded)), values=values, shape=torch.Size(shape),
-                        stride=stride, dtype=dtype)
+def count_kept(t: Tensor, threshold: float = 0.0) -> int:
+    """Elements of ``t`` a bitmap keeps: non-zero bit pattern, and |x| >= threshold when pruning.
 
-
-def _select(flat: Tensor, mask: Tensor, nnz: int) -> Tensor:
-    """flat[mask] (memory order), as a tensor that owns exactly its nnz elements.
-
-    CPU: a branch-free scatter through the running count of kept elements (kept element i goes
-    to slot count(i), dropped ones to slot 0, which is then cut off); torch.nonzero's per-element
-    branch makes it ~1.5x slower on random masks. Other devices: boolean indexing.
+    Allocation-free for threshold 0 (count_nonzero reduces without a mask); chunked otherwise.
     """
-    if flat.device.type != "cpu":
-        return flat[mask]
-    n = flat.numel()
-    out = torch.empty(nnz + 1, dtype=flat.dtype, device=flat.device)
+    n = t.numel()
+    if n == 0:
+        return 0
+    if threshold == 0:
+        return int(torch.count_nonzero(t.view(_INT_VIEW[t.element_size()])))
+    flat = t.reshape(-1)
     size = _chunk(n)
-    ones = torch.empty(size, dtype=torch.int64)    # the mask as 0/1 int64, converted once per chunk
-    dest = torch.empty(size, dtype=torch.int64)
+    return sum(int(torch.count_nonzero(_keep_mask(flat[i:i + size], threshold))) for i in range(0, n, size))
+
+
+def _compress_flat(flat: Tensor, shape: torch.Size, stride: tuple[int, ...], threshold: float,
+                   store_dtype: torch.dtype | None, nnz: int | None = None) -> BitmapTensor:
+    """The BitmapTensor of the memory-order elements ``flat``, built chunk by chunk.
+
+    Compression runs while the forward still holds the dense tensor, so its temporaries add to
+    the forward's peak: the bitmap and the values are allocated once at their final size, and
+    every intermediate (the keep-mask, the packing words, the scatter buffers) is one chunk's.
+    On CPU the values of a chunk are selected by a branch-free scatter through the running count
+    of kept elements (kept element i goes to slot count(i), dropped ones to slot 0 of a chunk
+    buffer); torch.nonzero's per-element branch makes boolean indexing ~1.5x slower on random masks.
+    """
+    n, dtype = flat.numel(), flat.dtype
+    if nnz is None:
+        nnz = count_kept(flat, threshold)
+    bitmap = torch.empty(math.ceil(n / 8), dtype=torch.uint8, device=flat.device)
+    values = torch.empty(nnz, dtype=store_dtype or dtype, device=flat.device)
+    size = _chunk(n)
+    cpu = flat.device.type == "cpu"
+    if cpu and n:
+        buf = torch.empty(size + 1, dtype=dtype)
+        ones = torch.empty(size, dtype=torch.int64)    # the chunk's mask as 0/1 int64
+        dest = torch.empty(size, dtype=torch.int64)
     base = 0
-    for start in range(0, n, size):
+    for start in range(0, n, size):                    # size is a multiple of 8: chunks start on a byte
         stop = min(start + size, n)
+        chunk = flat[start:stop]
+        padded = _keep_mask(chunk, threshold)
+        bitmap[start // 8: (stop + 7) // 8] = _pack(padded)
+        mask = padded[:stop - start]
+        if not cpu:
+            kept = chunk[mask]
+            values[base: base + kept.numel()] = kept
+            base += kept.numel()
+            continue
         m, d = ones[:stop - start], dest[:stop - start]
-        m.copy_(mask[start:stop])
+        m.copy_(mask)
         torch.cumsum(m, 0, out=d)
-        if base:
-            d += base
-        base = int(d[-1])
+        k = int(d[-1])
         d *= m
-        out.scatter_(0, d, flat[start:stop])
-    return out[1:].clone()
+        buf.scatter_(0, d, chunk)
+        values[base: base + k] = buf[1: k + 1]         # casts to store_dtype
+        base += k
+    if base != nnz:
+        raise RuntimeError(f"compress: {base} elements kept but {nnz} counted (was the tensor modified meanwhile?)")
+    return BitmapTensor(bitmap=bitmap, values=values, shape=torch.Size(shape), stride=stride, dtype=dtype)

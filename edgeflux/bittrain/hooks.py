@@ -55,7 +55,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from edgeflux.memory import (OUTSIDE_UNITS, SavedTensorModifiedError, UnitsArg, UnitTracker, check_saved_version,
                              resolve_units)
 
-from .bitmap import _INT_VIEW, BitmapTensor, _dense_in_memory, _flat, _from_mask, _keep_mask
+from .bitmap import BitmapTensor, _compress_flat, _dense_in_memory, _flat, count_kept
 
 log = logging.getLogger(__name__)
 
@@ -290,7 +290,7 @@ class CompressedActivations:
         value_size = self.store_dtype.itemsize if self.store_dtype is not None else itemsize
         d = t.detach()
         if dense < self.min_bytes or not _owns_exactly(d):
-            nnz = _count_kept(d, self.threshold)
+            nnz = count_kept(d, self.threshold)
             stats.nnz += nnz
             stats.theoretical_bytes += value_size * nnz + math.ceil(n / 8)
             stats.stored_bytes += dense
@@ -300,20 +300,13 @@ class CompressedActivations:
                 stats.kept_dense += 1
             return _Kept(t)
         flat, stride = _flat(d)
-        padded = None
-        if self.threshold > 0:
-            padded = _keep_mask(flat, self.threshold)
-            nnz = int(torch.count_nonzero(padded))
-        else:   # count first: most dense tensors (BN inputs) never need the mask
-            nnz = int(torch.count_nonzero(flat.view(_INT_VIEW[itemsize])))
+        nnz = count_kept(flat, self.threshold)   # count first: most dense tensors (BN inputs) need no mask
         bitmap_bytes = math.ceil(n / 8) + nnz * value_size
         cast_bytes = n * value_size
         stats.nnz += nnz
         stats.theoretical_bytes += bitmap_bytes
         if bitmap_bytes < dense and bitmap_bytes <= cast_bytes:
-            if padded is None:
-                padded = _keep_mask(flat, 0.0)
-            bitmap = _from_mask(flat, padded, d.shape, stride, d.dtype, self.store_dtype, nnz)
+            bitmap = _compress_flat(flat, d.shape, stride, self.threshold, self.store_dtype, nnz)
             holder: _Kept | _Packed = _Packed(bitmap, t)
             stats.compressed += 1
         elif cast_bytes < dense:
@@ -349,15 +342,6 @@ def _owns_exactly(t: Tensor) -> bool:
     """t fills its whole storage, gap-free: compressing it lets that memory go."""
     return (t.storage_offset() == 0 and _dense_in_memory(t)
             and t.untyped_storage().nbytes() == t.numel() * t.element_size())
-
-
-def _count_kept(t: Tensor, threshold: float) -> int:
-    """Elements a bitmap would keep (for the accounting of tensors that are not compressed)."""
-    if t.numel() == 0:
-        return 0
-    if threshold == 0:
-        return int(torch.count_nonzero(t.view(_INT_VIEW[t.element_size()])))
-    return t.numel() - int(torch.count_nonzero(t.abs() < threshold))
 
 
 def compressed_activations(threshold: float = 0.0, min_bytes: int = 4096, store_dtype: str | torch.dtype | None = None,

@@ -92,6 +92,7 @@ class NeuroFluxRun:
     history: list[dict]         # rows: step, block, epoch, time_s, train_loss, val_acc, test_acc (best exit so far)
     unit_val_acc: list[float]
     unit_test_acc: list[float]
+    complete: bool = True       # False: train_blocks stopped at its time limit with units left untrained
 
     @property
     def train_time_s(self) -> float:
@@ -104,7 +105,7 @@ class NeuroFluxRun:
 
     def to_dict(self) -> dict:
         return {"blocks": [asdict(b) for b in self.blocks], "history": self.history,
-                "unit_val_acc": self.unit_val_acc, "unit_test_acc": self.unit_test_acc,
+                "unit_val_acc": self.unit_val_acc, "unit_test_acc": self.unit_test_acc, "complete": self.complete,
                 "train_time_s": self.train_time_s, "peak_bytes": self.peak_bytes}
 
 
@@ -272,7 +273,7 @@ def train_blocks(learners: Sequence[LocalLearner], blocks: Sequence[Block],
                  cache: CacheOptions | None = None, use_cache: bool = True,
                  context: StepContext | None = None, signature: dict | None = None,
                  checkpoint_dir: Path | None = None, on_epoch_end=None, desc: str = "neuroflux",
-                 split_rho: float | None = None) -> NeuroFluxRun:
+                 split_rho: float | None = None, time_limit_s: float | None = None) -> NeuroFluxRun:
     """Train ``learners`` block by block (Algorithm 2) and return what each block cost and scored.
 
     data: {"train"|"val"|"test": (x, y)} — the raw split tensors (block 0's input).
@@ -281,6 +282,8 @@ def train_blocks(learners: Sequence[LocalLearner], blocks: Sequence[Block],
     on_epoch_end(block_index, epoch): called after each epoch checkpoint (tests interrupt runs here).
     split_rho: a block of several units whose measured step fits only at a batch below
     (1 - split_rho) x its planned batch is split in two (None: only when batch 1 does not fit).
+    time_limit_s: no new block starts once this much training time is spent (benchmarks cap slow
+    baselines this way); the run then has fewer blocks than planned and ``complete`` is False.
     """
     device = torch.device(device)
     cache = cache or CacheOptions()
@@ -300,6 +303,10 @@ def train_blocks(learners: Sequence[LocalLearner], blocks: Sequence[Block],
 
     pending = deque(blocks)
     while pending:
+        if time_limit_s is not None and elapsed >= time_limit_s:
+            log.warning("%s: time limit %.0fs reached after %d blocks; %d units left untrained", desc, time_limit_s,
+                        len(results), sum(len(b.units) for b in pending))
+            break
         planned = pending.popleft()
         block = Block(index=len(results), units=tuple(planned.units), batch_size=planned.batch_size)
         files = _BlockFiles(workdir, block.index)
@@ -346,7 +353,7 @@ def train_blocks(learners: Sequence[LocalLearner], blocks: Sequence[Block],
                         "val_acc": unit_val[best], "test_acc": unit_test[best]})
         if use_cache:
             sources = {split: ActivationCache.open(files.cache(split)) for split in SPLITS}
-    return NeuroFluxRun(results, history, unit_val, unit_test)
+    return NeuroFluxRun(results, history, unit_val, unit_test, complete=not pending)
 
 
 def _reuse_weights(files: _BlockFiles, block_sig: str, block_learners: Sequence[LocalLearner]) -> BlockResult | None:
