@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from edgeflux.bittrain import (BitmapTensor, BitTrainOptions, CompressedActivations, FloatTensorRequired,
                                SavedTensorModifiedError, compress, compressed_activations, theoretical_bytes)
 from edgeflux.bittrain.doublemask import DoubleMaskError
+from edgeflux.bittrain.bitmap import MAX_CHUNK, _chunk
 from edgeflux.bittrain.hooks import _Kept, _Packed
 from edgeflux.memory import OUTSIDE_UNITS, measure_step, track_live_tensors, training_step_fn
 from edgeflux.models import build_model
@@ -54,6 +55,7 @@ def _cases() -> dict[str, torch.Tensor]:
         "transposed": torch.relu(torch.randn(6, 8, generator=g)).t(),
         "strided_slice": relu[:, ::2, 1:, :],
         "expanded": torch.relu(torch.randn(5, 1, generator=g)).expand(5, 4),
+        "several_chunks": torch.relu(torch.randn(3 * MAX_CHUNK + 13, generator=g)),   # last chunk partial
     }
 
 
@@ -81,6 +83,19 @@ def test_memory_layout_is_restored(case):
     t = _cases()[case]
     out = compress(t).decompress()
     assert out.stride() == t.stride() and torch.equal(out, t)
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.1])
+def test_compressing_needs_one_chunk_of_temporaries_not_a_tensors_worth(threshold):
+    """Compression runs while the forward holds the dense tensor: its transient memory adds to the peak.
+    Measured: beyond the tensor and its result, at most a chunk's buffers (about 30 bytes per chunk
+    element), far below the dense tensor's own bytes (whole-tensor masks and copies would exceed it)."""
+    t = torch.relu(torch.randn(1 << 23, generator=torch.Generator().manual_seed(0)))
+    with track_live_tensors(seed=[t]) as tracker:
+        before = tracker.current_bytes
+        packed = compress(t, threshold=threshold)
+        transient = tracker.peak_bytes - before - packed.nbytes
+    assert 0 < transient <= 32 * _chunk(t.numel()) <= t.numel() * t.element_size() // 4
 
 
 def test_bitmap_layout_every_byte_pattern():
