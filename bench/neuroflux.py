@@ -170,6 +170,46 @@ def plot(rows: list[dict], path: Path, target: float) -> None:
     plt.close(fig)
 
 
+def targets(rows: list[dict], speedups: list[dict]) -> list[dict]:
+    """The issue's targets (the paper's headline results) against this run's figures."""
+    out = []
+    by = {(r["model"], r["budget_bytes"], r["method"]): r for r in rows}
+    for model in dict.fromkeys(r["model"] for r in rows):
+        below = [b for (m, b, meth), r in by.items() if m == model and meth == "backprop" and not r["feasible"]]
+        trains = [b for b in below if by[(model, b, "NeuroFlux")]["feasible"]]
+        out.append({"target": f"{model}: trains where backprop cannot (below its batch-1 minimum)",
+                    "measured": ", ".join(f"NeuroFlux at {format_bytes(b)}" for b in trains) or "no such budget run",
+                    "met": bool(trains)})
+    for e in speedups:
+        where = f"{e['model']} at {format_bytes(e['budget_bytes'])}"
+        for method, bar in (("backprop", 2.3), ("classic_LL", 3.3)):
+            exact, bound = e.get(f"speedup_vs_{method}"), e.get(f"speedup_vs_{method}_at_least")
+            other = by[(e["model"], e["budget_bytes"], method.replace("_", " "))]
+            if not other["feasible"]:
+                measured, met = f"{method.replace('_', ' ')} cannot run at this budget", None
+            elif e["neuroflux_to_target_s"] is None:
+                measured, met = "NeuroFlux did not reach the target", False
+            elif exact is not None:
+                measured, met = f"x{exact:.2f}", exact >= bar
+            elif bound is not None:   # the other method never reached the target: only a lower bound
+                measured, met = f"x{bound:.2f} at least (never reached the target)", True if bound >= bar else "not shown"
+            else:
+                measured, met = "no time to target", None
+            out.append({"target": f"time to target >= {bar}x faster than {method.replace('_', ' ')} ({where})",
+                        "measured": measured, "met": met})
+        nf, bp = (by[(e["model"], e["budget_bytes"], m)] for m in ("NeuroFlux", "backprop"))
+        if nf["feasible"] and bp["feasible"]:
+            reduction, gap = bp["params"] / nf["params"], bp["test_acc"] - nf["test_acc"]
+            out.append({"target": f"compact model >= 10x fewer parameters, test acc within 1 point of backprop ({where})",
+                        "measured": f"{reduction:.1f}x fewer ({nf['params']:,} vs {bp['params']:,}); test acc "
+                                    f"{nf['test_acc']:.4f} vs backprop {bp['test_acc']:.4f}",
+                        "met": reduction >= 10 and gap <= 0.01})
+    over = [r for r in rows if r["feasible"] and not r["within_budget"]]
+    out.append({"target": "measured peak <= budget in every block of every run",
+                "measured": f"{sum(r['feasible'] for r in rows)} runs, {len(over)} over budget", "met": not over})
+    return out
+
+
 def write(rows: list[dict], speedups: list[dict], args, notes: str) -> None:
     result = BenchResult()
     result.rows = rows
@@ -177,13 +217,17 @@ def write(rows: list[dict], speedups: list[dict], args, notes: str) -> None:
                 "peak": format_bytes(r["peak_bytes"]) if r.get("peak_bytes") else "infeasible"} for r in rows]
     result.add_section(f"Speed-ups to {args.target_acc:.0%} test accuracy (time ratio, same budget, same process)",
                        speedups)
+    verdict = {True: "met", False: "MISSED", None: "n/a"}
+    goals = targets(rows, speedups)
+    result.add_section("Targets (the issue's, from the paper's headline results)",
+                       [{**t, "met": verdict.get(t["met"], t["met"])} for t in goals])
     columns = {"model": "model", "method": "method", "budget": "budget", "peak": "measured peak",
                "batch_sizes": "batch per block", "time_to_target_s": f"s to {args.target_acc:.0%}",
                "test_acc": "final test acc", "test_acc_at_fixed_time": "test acc at fixed time",
                "fixed_time_s": "fixed time s", "params": "params (output model)", "within_budget": "peak <= budget"}
     result.write("neuroflux", args.out, title="NeuroFlux vs backprop vs classic local learning at equal budgets",
                  columns=columns, md_rows=md_rows, notes=notes,
-                 extra={"speedups": speedups, "settings": {k: (str(v) if isinstance(v, Path) else v)
+                 extra={"speedups": speedups, "targets": goals, "settings": {k: (str(v) if isinstance(v, Path) else v)
                                                            for k, v in vars(args).items()}})
     plot(rows, args.out / "neuroflux.png", args.target_acc)
     print(f"wrote {args.out / 'neuroflux.json'}, .md and .png")
