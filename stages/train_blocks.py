@@ -44,7 +44,8 @@ def main(args, params) -> None:
                               desc="neuroflux", split_rho=p.rho)
         profile_s = load_profile(PROFILE)[1]["profiling_seconds"]
         last = len(learners) - 1
-        metrics = {"model": p.model.key, "device": str(device), "blocks": len(blocks),
+        metrics = {"model": p.model.key, "device": str(device), "planned_blocks": len(blocks),
+                   "blocks": len(result.blocks),   # more than planned where a block was split to fit the budget
                    "batch_sizes": [b.batch_size for b in result.blocks],
                    "peak_mem_bytes": result.peak_bytes, "budget_bytes": p.budget,
                    "within_budget": all(b.peak_bytes <= p.budget for b in result.blocks) if p.budget else None,
