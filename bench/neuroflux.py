@@ -210,7 +210,10 @@ def targets(rows: list[dict], speedups: list[dict]) -> list[dict]:
     return out
 
 
-def write(rows: list[dict], speedups: list[dict], args, notes: str) -> None:
+def write(rows: list[dict], speedups: list[dict], args, notes: str, settings: dict | list | None = None,
+          combined_from: list[dict] | None = None) -> None:
+    """Results, tables and plot. settings: the flags that made the rows (default: this run's);
+    combined_from: the command and machine of each run whose rows these are (--combine)."""
     result = BenchResult()
     result.rows = rows
     md_rows = [{**r, "budget": format_bytes(r["budget_bytes"]),
@@ -227,8 +230,8 @@ def write(rows: list[dict], speedups: list[dict], args, notes: str) -> None:
                "fixed_time_s": "fixed time s", "params": "params (output model)", "within_budget": "peak <= budget"}
     result.write("neuroflux", args.out, title="NeuroFlux vs backprop vs classic local learning at equal budgets",
                  columns=columns, md_rows=md_rows, notes=notes,
-                 extra={"speedups": speedups, "targets": goals, "settings": {k: (str(v) if isinstance(v, Path) else v)
-                                                           for k, v in vars(args).items()}})
+                 extra={"speedups": speedups, "targets": goals, "combined_from": combined_from,
+                        "settings": settings or {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}})
     plot(rows, args.out / "neuroflux.png", args.target_acc)
     print(f"wrote {args.out / 'neuroflux.json'}, .md and .png")
 
@@ -240,7 +243,13 @@ def main(argv=None) -> None:
         rows = [r for part in parts for r in part["rows"]]
         speedups = [e for part in parts for e in part["speedups"]]
         notes = " | ".join(f"{part['command']}: {part['notes']}" for part in parts)
-        return write(rows, speedups, args, notes)
+        settings = [part["settings"] for part in parts]
+        targets_acc = {s["target_acc"] for s in settings}
+        if len(targets_acc) != 1:
+            raise SystemExit(f"cannot combine runs with different --target-acc: {sorted(targets_acc)}")
+        args.target_acc = targets_acc.pop()
+        return write(rows, speedups, args, notes, settings=settings[0] if len(settings) == 1 else settings,
+                     combined_from=[{"command": part["command"], "machine": part["machine"]} for part in parts])
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
