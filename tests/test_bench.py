@@ -66,3 +66,14 @@ def test_neuroflux_quick_compares_three_methods_at_equal_budgets(tmp_path):
     # one line per method and budget in the main table, one per budget in the speed-up table
     assert (tmp_path / "neuroflux.md").read_text().count("| vgg11-w0.125 |") == len(rows) + len(result["speedups"])
     assert (tmp_path / "neuroflux.png").stat().st_size > 10_000
+    # the targets table judges the run's own figures; --combine re-renders a run without losing what made it
+    goals = {t["target"]: t["met"] for t in result["targets"]}
+    assert goals["vgg11-w0.125: trains where backprop cannot (below its batch-1 minimum)"] is True
+    assert goals["measured peak <= budget in every block of every run"] is True
+    again = tmp_path / "again"
+    subprocess.run([sys.executable, "bench/neuroflux.py", "--combine", str(tmp_path / "neuroflux.json"), "--out",
+                    str(again)], cwd=REPO, check=True, capture_output=True, text=True, timeout=300)
+    combined = json.loads((again / "neuroflux.json").read_text())
+    assert combined["rows"] == rows and combined["targets"] == result["targets"]
+    assert combined["settings"] == result["settings"] and combined["settings"]["quick"] is True
+    assert combined["combined_from"] == [{"command": result["command"], "machine": result["machine"]}]
