@@ -373,8 +373,9 @@ Table 1: exactly round(p·n) non-zeros at random positions; achieved = BitmapTen
 bytes the compressed tensor holds (edgeflux.memory tracker); throughput = dense bytes / median time.
 """
     result.write(NAME, args.out, title="BitTrain: sparse bitmap activations, Table 1 and whole training steps",
-                 md_rows=md_train, notes=notes + f"torch intra-op threads: {torch.get_num_threads()}.\n", extra={"copy_bandwidth": bandwidth, "targets": tg,
-                                                       "config": {k: v for k, v in cfg.items()}})
+                 md_rows=md_train, notes=notes + f"torch intra-op threads: {torch.get_num_threads()}.\n",
+                 extra={"copy_bandwidth": bandwidth, "targets": tg,
+                        "config": {k: v for k, v in cfg.items()}})
 
 
 if __name__ == "__main__":
