@@ -12,7 +12,7 @@ export PATH := $(BIN):$(PATH)
 export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := true
 
-.PHONY: run test setup bench clean-venv
+.PHONY: run test setup compiler bench clean-venv
 
 run: setup
 	dvc repro
@@ -21,7 +21,7 @@ run: setup
 test: setup
 	python -m pytest -q
 
-setup: $(VENV)/.installed $(DATASET)
+setup: $(VENV)/.installed $(DATASET) compiler
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV) || { echo "python3-venv missing: $(SUDO) apt-get install -y python3-venv"; exit 1; }
@@ -32,6 +32,12 @@ $(VENV)/.installed: pyproject.toml
 $(DATASET):
 	$(SUDO) apt-get update -qq
 	$(SUDO) apt-get install -y -qq dataset-fashion-mnist
+
+# BitTrain's C++ bitmap kernel is compiled on first use (edgeflux/bittrain/kernel.py); without a
+# compiler edgeflux still works, on a slower torch-op path.
+compiler:
+	@command -v g++ >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq g++; } \
+		|| echo "g++ could not be installed: BitTrain runs on its slower torch-op path"
 
 bench: setup
 	python bench/memory_baseline.py

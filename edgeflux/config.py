@@ -115,6 +115,7 @@ class BitTrainParams(_Section):
     min_bytes: int = Field(4096, ge=0)    # smaller saved tensors stay dense
     store_dtype: Literal["float16", "bfloat16", "float32", "float64"] | None = None   # non-zero values' dtype
     double_mask: bool = False             # BatchNorm/activation mask propagation (edgeflux.bittrain.doublemask)
+    narrow_indices: bool = True           # int64 max-pool indices held as int16/int32 when they fit (exact)
 
     @property
     def exact(self) -> bool:
@@ -131,7 +132,8 @@ class BitTrainParams(_Section):
         from edgeflux.bittrain import compressed_activations  # lazy: edgeflux.bittrain imports this module
 
         return compressed_activations(threshold=self.threshold, min_bytes=self.min_bytes,
-                                      store_dtype=self.store_dtype, double_mask=self.double_mask, units=units)
+                                      store_dtype=self.store_dtype, double_mask=self.double_mask, units=units,
+                                      narrow_indices=self.narrow_indices)
 
     def to_dict(self) -> dict:
         return self.model_dump()
@@ -188,6 +190,15 @@ class NeuroFluxParams(TrainOptions, MemoryOptions):
     cache: CacheParams = CacheParams()
     exit_tolerance: float = Field(0.005, ge=0, le=1)   # accuracy (0.005 = 0.5 points)
     throughput_batch: int = Field(64, ge=1)
+    # Blocks train at different batch sizes (Algorithm 1): lr is for a batch of lr_reference_batch
+    # and each block scales it to its own batch (linear: Goyal et al.'s rule; sqrt: milder; constant: as is)
+    lr_scaling: Literal["constant", "linear", "sqrt"] = "constant"
+    lr_reference_batch: int = Field(32, ge=1)
+
+    def block_lr(self, batch: int) -> float:
+        """The learning rate of a block trained at `batch`."""
+        ratio = batch / self.lr_reference_batch
+        return self.lr * {"constant": 1.0, "linear": ratio, "sqrt": ratio ** 0.5}[self.lr_scaling]
 
     @field_validator("profile_batches")
     @classmethod

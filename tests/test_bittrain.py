@@ -13,8 +13,9 @@ from torch.utils.checkpoint import checkpoint
 from edgeflux.bittrain import (BitmapTensor, BitTrainOptions, CompressedActivations, FloatTensorRequired,
                                SavedTensorModifiedError, compress, compressed_activations, theoretical_bytes)
 from edgeflux.bittrain.doublemask import DoubleMaskError
+from edgeflux.bittrain import kernel
 from edgeflux.bittrain.bitmap import MAX_CHUNK, _chunk
-from edgeflux.bittrain.hooks import _Kept, _Packed
+from edgeflux.bittrain.hooks import _Kept, _Narrowed, _Packed
 from edgeflux.memory import OUTSIDE_UNITS, measure_step, track_live_tensors, training_step_fn
 from edgeflux.models import build_model
 
@@ -29,6 +30,17 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def nonzero_bits(t: torch.Tensor) -> int:
     return int((bits(t) != 0).sum())
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def bitmap_path(request, monkeypatch):
+    """Run a test on the compiled CPU kernel and on the torch-op path (both write the same format)."""
+    if request.param == "kernel":
+        if not kernel.available():
+            pytest.skip("the C++ bitmap kernel could not be built here (needs g++ and ninja)")
+    else:
+        monkeypatch.setenv("EDGEFLUX_BITTRAIN_KERNEL", "0")
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +75,7 @@ def _cases() -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 @pytest.mark.parametrize("case", list(_cases()))
-def test_round_trip_is_exact_and_sized_exactly(case, dtype):
+def test_round_trip_is_exact_and_sized_exactly(case, dtype, bitmap_path):
     t = _cases()[case].to(dtype)
     packed = compress(t)
     out = packed.decompress()
@@ -79,26 +91,58 @@ def test_round_trip_is_exact_and_sized_exactly(case, dtype):
 
 
 @pytest.mark.parametrize("case", ["channels_last", "transposed"])
-def test_memory_layout_is_restored(case):
+def test_memory_layout_is_restored(case, bitmap_path):
     t = _cases()[case]
     out = compress(t).decompress()
     assert out.stride() == t.stride() and torch.equal(out, t)
 
 
 @pytest.mark.parametrize("threshold", [0.0, 0.1])
-def test_compressing_needs_one_chunk_of_temporaries_not_a_tensors_worth(threshold):
+def test_compressing_needs_one_chunk_of_temporaries_not_a_tensors_worth(threshold, bitmap_path):
     """Compression runs while the forward holds the dense tensor: its transient memory adds to the peak.
-    Measured: beyond the tensor and its result, at most a chunk's buffers (about 30 bytes per chunk
-    element), far below the dense tensor's own bytes (whole-tensor masks and copies would exceed it)."""
+    Measured: the compiled kernel allocates nothing but its result; the torch-op path at most a
+    chunk's buffers (about 30 bytes per chunk element), far below the dense tensor's own bytes
+    (whole-tensor masks and copies would exceed it)."""
     t = torch.relu(torch.randn(1 << 23, generator=torch.Generator().manual_seed(0)))
     with track_live_tensors(seed=[t]) as tracker:
         before = tracker.current_bytes
         packed = compress(t, threshold=threshold)
         transient = tracker.peak_bytes - before - packed.nbytes
-    assert 0 < transient <= 32 * _chunk(t.numel()) <= t.numel() * t.element_size() // 4
+    if bitmap_path == "kernel":
+        assert transient == 0
+    else:
+        assert 0 < transient <= 32 * _chunk(t.numel()) <= t.numel() * t.element_size() // 4
 
 
-def test_bitmap_layout_every_byte_pattern():
+@pytest.mark.skipif(not kernel.available(), reason="the C++ bitmap kernel could not be built here")
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("store_dtype", [None, torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("threshold", [0.0, 0.05, 1.0])
+def test_kernel_and_torch_paths_write_the_same_bytes(dtype, store_dtype, threshold, monkeypatch):
+    """The compiled kernel and the torch ops produce identical bitmaps and values (every size class:
+    a partial byte, a partial 16-element group, several kernel blocks) and restore each other's output.
+    (No NaN here: the torch path's scatter canonicalises bfloat16 NaN payloads; the round-trip test
+    checks NaN bits on each path.)"""
+    g = torch.Generator().manual_seed(1)
+    for n in (1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 1000, (1 << 16) * 3 + 5):
+        t = torch.relu(torch.randn(n, generator=g)).to(dtype)
+        if n > 4:
+            t[1], t[3] = -0.0, float("inf")
+        packed = {}
+        for path in ("kernel", "torch"):
+            monkeypatch.setenv("EDGEFLUX_BITTRAIN_KERNEL", "1" if path == "kernel" else "0")
+            packed[path] = compress(t, threshold=threshold, store_dtype=store_dtype)
+        a, b = packed["kernel"], packed["torch"]
+        assert torch.equal(a.bitmap, b.bitmap), n
+        assert a.values.dtype == b.values.dtype and torch.equal(bits(a.values), bits(b.values)), n
+        monkeypatch.setenv("EDGEFLUX_BITTRAIN_KERNEL", "1")
+        from_torch = b.decompress()
+        monkeypatch.setenv("EDGEFLUX_BITTRAIN_KERNEL", "0")
+        from_kernel = a.decompress()
+        assert torch.equal(bits(from_torch), bits(from_kernel)), n
+
+
+def test_bitmap_layout_every_byte_pattern(bitmap_path):
     """Element 8g+k is bit k of byte g: all 256 patterns pack to their own value and back."""
     patterns = torch.arange(256)
     mask = ((patterns.unsqueeze(1) >> torch.arange(8)) & 1).bool().reshape(-1)
@@ -115,7 +159,7 @@ def test_theoretical_bytes_formula():
     assert theoretical_bytes(9, 3, itemsize=2) == 6 + 2                         # ceil(9/8) = 2
 
 
-def test_pruning_drops_exactly_small_magnitudes():
+def test_pruning_drops_exactly_small_magnitudes(bitmap_path):
     t = torch.tensor([0.0, -0.0, 0.009, -0.0099, 0.01, -0.01, 0.5, -3.0, float("nan"), float("inf")])
     packed = compress(t, threshold=0.01)
     keep = ~(t.abs() < 0.01)                        # NaN is not < threshold: kept
@@ -130,7 +174,7 @@ def test_pruning_drops_exactly_small_magnitudes():
         assert torch.equal(p.decompress(), torch.where(relu.abs() < thr, 0.0, relu))
 
 
-def test_fp16_store_halves_value_bytes():
+def test_fp16_store_halves_value_bytes(bitmap_path):
     t = _cases()["odd_length"]
     full, half = compress(t), compress(t, store_dtype=torch.float16)
     assert half.values.dtype == torch.float16 and half.nnz == full.nnz
@@ -177,7 +221,7 @@ MODELS = [("vgg16", {"batch_norm": False}), ("vgg16", {}), ("resnet18", {}), ("m
 
 
 @pytest.mark.parametrize("name,kw", MODELS, ids=["vgg16_nobn", "vgg16_bn", "resnet18", "mobilenet_v2"])
-def test_gradients_bit_identical(fmnist, name, kw):
+def test_gradients_bit_identical(fmnist, name, kw, bitmap_path):
     torch.manual_seed(0)
     model = build_model(name, width=0.25, **kw)
     twin = copy.deepcopy(model)
@@ -206,6 +250,39 @@ def test_parameters_views_and_indices_never_reach_storage(fmnist):
     assert not any(isinstance(t, nn.Parameter) for t in stored) and not views_of_leaves
     # per conv: weight (+ bias not saved); classifier: weight.t() view; pools: indices
     assert ca.not_activations >= 13 + 1 + 5
+
+
+@pytest.mark.parametrize("side,dtype", [(32, torch.int16), (256, torch.int32)])
+def test_max_pool_indices_are_narrowed_exactly(side, dtype):
+    """Max-pool's int64 indices (positions within a side x side map) are held as int16 when they fit,
+    int32 when not (256*256 > 32767), widened back with the same strides: gradients bit-identical."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 2, 3))
+    twin = copy.deepcopy(net)
+    x = torch.randn(2, 1, side, side).contiguous(memory_format=torch.channels_last)
+    net(x).square().sum().backward()
+    with compressed_activations(units=twin) as ca:
+        out = twin(x).square().sum()
+    out.backward()
+    for p, q in zip(net.parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    pool = ca.stats["2"]
+    n = 2 * 4 * (side // 2) ** 2
+    assert pool.narrowed == 1 and pool.index_dense_bytes == 8 * n
+    assert pool.index_stored_bytes == n * dtype.itemsize
+    with compressed_activations(units=twin, narrow_indices=False) as off:
+        twin(x).sum().backward()
+    assert off.total().narrowed == 0
+    # the holder itself: narrow dtype, widened back with the original (channels_last) strides
+    _, idx = F.max_pool2d(torch.relu(twin[0](x)), 2, return_indices=True)
+    with compressed_activations(min_bytes=0) as ca:
+        holder = ca._pack(idx)
+    assert isinstance(holder, _Narrowed) and holder.data.dtype == dtype
+    back = holder.unpack()
+    assert back.dtype == torch.int64 and back.stride() == idx.stride() and torch.equal(back, idx)
+    big = torch.full((1024,), 1 << 40)                              # values beyond int32: kept as they are
+    with compressed_activations(min_bytes=0) as ca:
+        assert isinstance(ca._pack(big), _Kept)
 
 
 def test_shared_relu_output_is_stored_once():
@@ -301,8 +378,10 @@ def test_measured_memory_drops_by_what_the_accounting_says(fmnist):
             live[enabled] = tracker.current_bytes
         del loss
     total = ca.total()
-    assert total.compressed > 0
-    assert live[False] - live[True] == total.dense_bytes - total.stored_bytes
+    assert total.compressed > 0 and total.narrowed == 5          # VGG-16's five max-pools' indices
+    assert total.index_stored_bytes * 4 == total.index_dense_bytes   # int64 -> int16
+    assert live[False] - live[True] == (total.dense_bytes - total.stored_bytes
+                                        + total.index_dense_bytes - total.index_stored_bytes)
 
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     peaks = {}
@@ -398,7 +477,8 @@ def test_options_context_and_step_context(fmnist):
     loss = training_step_fn(model, opt, fmnist[0][:4], fmnist[1][:4], context=BitTrainOptions(enabled=True).context)()
     assert math.isfinite(loss)
     summary = compressed_activations(units=model).summary()
-    assert summary["options"] == {"threshold": 0.0, "min_bytes": 4096, "store_dtype": None, "double_mask": False}
+    assert summary["options"] == {"threshold": 0.0, "min_bytes": 4096, "narrow_indices": True, "store_dtype": None,
+                                  "double_mask": False}
     assert isinstance(summary["total"], dict) and list(summary["units"])[:2] == ["stem", "block1.0"]
 
 

@@ -302,10 +302,10 @@ def test_bittrain_in_the_block_worker_trains_bit_identically_with_less_saved_mem
     for a, b in zip(runs[False][0], runs[True][0]):
         for pa, pb in zip(a.parameters(), b.parameters()):
             assert torch.equal(pa, pb)
-    # Both runs measured their block step under their own context (the peaks differ by the bitmaps);
-    # in local learning a unit's input and output are held by the worker anyway, so BitTrain saves
-    # little here: what it stores is the unit-internal saved tensors.
-    assert runs[True][1].peak_bytes != runs[False][1].peak_bytes
+    # Both runs measured their block step under their own context; in local learning a unit's input
+    # and output are held by the worker anyway, so BitTrain saves little here (the unit-internal saved
+    # tensors) and never costs: its compression allocates nothing but the bitmaps.
+    assert runs[True][1].peak_bytes <= runs[False][1].peak_bytes
     cache = ActivationCache.open(tmp_path / "True" / "block0" / "train")
     dense_bytes = cache.num_samples * math.prod(cache.sample_shape) * 4
     assert cache.storage == "bittrain" and cache.nbytes < dense_bytes   # post-ReLU outputs: bitmap + non-zeros

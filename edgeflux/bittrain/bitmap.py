@@ -22,6 +22,11 @@ with threshold 0 reproduces every bit (NaN and inf included). With ``threshold >
 is dropped when ``|x| < threshold`` (the paper's activation pruning; compared in the tensor's
 dtype), which drops -0.0 as well; NaN is never ``< threshold`` and is kept.
 
+Two implementations write the same bytes. On CPU, a compiled C++ kernel (kernel.py,
+bitmap_kernel.cpp; AVX-512 compress/expand where the CPU has it) counts in one pass and writes
+bitmap and values in a second, and restores in one pass, with no temporaries. Elsewhere (CUDA, or
+where no compiler is available) the torch ops below do it.
+
 Why not a library format: torch's sparse COO/CSR layouts store 8-byte indices per non-zero
 (efficient only above ~80% sparsity, the paper's Figure 6), and there is no bit-packing op in
 torch. Packing folds each 8-byte group of the 0/1 mask, read as an int64, into one byte with three
@@ -41,7 +46,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["BitmapTensor", "compress", "count_kept", "theoretical_bytes", "FloatTensorRequired"]
+from . import kernel
+
+__all__ = ["BitmapTensor", "compress", "compress_if_smaller", "count_kept", "theoretical_bytes", "FloatTensorRequired"]
 
 # _UNPACK[b] is an int64 whose 8 bytes are the bits of b (byte k = bit k): one gather per byte
 _UNPACK: dict[torch.device, Tensor] = {}
@@ -51,6 +58,8 @@ _UNPACK32: dict[torch.device, Tensor] = {}   # [256, 8] int32: row b = the bits 
 # near a quarter of the tensor's own bytes), between MIN_CHUNK and MAX_CHUNK elements (per-chunk
 # overhead vs buffer size; multiples of 8 so that chunks start on a bitmap byte).
 MIN_CHUNK, MAX_CHUNK = 1 << 15, 1 << 18
+# The compiled path (kernel.py) splits a tensor into blocks of this many elements for its threads.
+KERNEL_BLOCK = 1 << 16
 
 
 def _chunk(n: int) -> int:
@@ -201,6 +210,9 @@ class BitmapTensor:
             return out
         flat = out.as_strided((n,), (1,))
         values = self.values
+        if kernel.usable(flat):
+            kernel.decompress_into(self.bitmap, values, KERNEL_BLOCK, flat)
+            return out
         if self.device.type != "cpu":
             flat.zero_()
             flat.masked_scatter_(_unpack(self.bitmap, n), values.to(self.dtype))
@@ -243,7 +255,7 @@ def compress(t: Tensor, threshold: float = 0.0, store_dtype: torch.dtype | None 
         raise ValueError(f"threshold must be >= 0, got {threshold!r}")
     with torch.no_grad():
         flat, stride = _flat(t.detach())
-        return _compress_flat(flat, t.shape, stride, threshold, store_dtype)
+        return compress_if_smaller(flat, t.shape, stride, threshold, store_dtype)[0]
 
 
 def count_kept(t: Tensor, threshold: float = 0.0) -> int:
@@ -261,9 +273,31 @@ def count_kept(t: Tensor, threshold: float = 0.0) -> int:
     return sum(int(torch.count_nonzero(_keep_mask(flat[i:i + size], threshold))) for i in range(0, n, size))
 
 
+def compress_if_smaller(flat: Tensor, shape: torch.Size, stride: tuple[int, ...], threshold: float,
+                        store_dtype: torch.dtype | None, max_bytes: int | None = None) -> tuple[BitmapTensor | None, int]:
+    """The BitmapTensor of the memory-order elements ``flat`` and how many it keeps; (None, kept)
+    when ``max_bytes`` is given and the bitmap would be larger (nothing is allocated then).
+
+    The compiled kernel (kernel.py) counts and compresses in one call; the torch-op path counts
+    first (count_nonzero needs no mask) and compresses chunk by chunk.
+    """
+    n = flat.numel()
+    if n and kernel.usable(flat):
+        bitmap, values, nnz = kernel.compress(flat, threshold, store_dtype, -1 if max_bytes is None else max_bytes,
+                                              KERNEL_BLOCK)
+        if max_bytes is not None and bitmap.numel() == 0:
+            return None, nnz
+        return BitmapTensor(bitmap=bitmap, values=values, shape=torch.Size(shape), stride=stride, dtype=flat.dtype), nnz
+    nnz = count_kept(flat, threshold)
+    value_size = (store_dtype or flat.dtype).itemsize
+    if max_bytes is not None and math.ceil(n / 8) + nnz * value_size > max_bytes:
+        return None, nnz
+    return _compress_flat(flat, shape, stride, threshold, store_dtype, nnz), nnz
+
+
 def _compress_flat(flat: Tensor, shape: torch.Size, stride: tuple[int, ...], threshold: float,
                    store_dtype: torch.dtype | None, nnz: int | None = None) -> BitmapTensor:
-    """The BitmapTensor of the memory-order elements ``flat``, built chunk by chunk.
+    """The torch-op path of compress_if_smaller, built chunk by chunk (any device).
 
     Compression runs while the forward still holds the dense tensor, so its temporaries add to
     the forward's peak: the bitmap and the values are allocated once at their final size, and

@@ -13,10 +13,16 @@ than the dense tensor, and restored in backward by ``unpack``. At low sparsity t
 bigger (the paper's -3% rows): those tensors stay dense.
 
 What is never compressed (returned as is): parameters (leaf tensors that require grad) and views
-of them (``weight.t()`` saved by addmm), any leaf that requires grad, non-floating tensors (max-
-pool indices), tensors whose storage belongs to a parameter or buffer of the given units, tensor
-subclasses, sparse/meta tensors, and tensors that do not own their memory exactly (a view of a
-larger storage, an expanded tensor: compressing them frees nothing).
+of them (``weight.t()`` saved by addmm), any leaf that requires grad, non-floating tensors, tensors
+whose storage belongs to a parameter or buffer of the given units, tensor subclasses, sparse/meta
+tensors, and tensors that do not own their memory exactly (a view of a larger storage, an
+expanded tensor: compressing them frees nothing).
+
+Integer indices (``narrow_indices=True``, the default): max-pool saves an int64 index per output
+element, 8 bytes, half the bytes of the pooled activation itself (2x2 windows). Their values are
+positions within one feature map (< H*W), so an int64 tensor of at least ``min_bytes`` whose values
+all fit int16 (or int32) is stored in that dtype and widened back in backward: exact, 4x (2x)
+smaller. It is not a bitmap (indices are not sparse), and is reported apart (``index_*`` stats).
 
 A tensor saved by several operations (a ReLU output that the next conv and a max-pool also save)
 is compressed once: packs are deduplicated by tensor identity (a WeakTensorKeyDictionary, so a
@@ -55,7 +61,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from edgeflux.memory import (OUTSIDE_UNITS, SavedTensorModifiedError, UnitsArg, UnitTracker, check_saved_version,
                              resolve_units)
 
-from .bitmap import BitmapTensor, _compress_flat, _dense_in_memory, _flat, count_kept
+from .bitmap import BitmapTensor, _dense_in_memory, _flat, compress_if_smaller, count_kept
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +104,9 @@ class UnitStats:
     numel: int = 0
     nnz: int = 0                # elements a bitmap keeps (non-zero bit pattern and, if pruning, |x| >= threshold)
     theoretical_bytes: int = 0  # the paper's M_b = itemsize * nnz + numel / 8, summed (value itemsize as stored)
+    narrowed: int = 0           # int64 index tensors stored as int16/int32 (not activations; not in the bytes above)
+    index_dense_bytes: int = 0  # their int64 bytes
+    index_stored_bytes: int = 0  # what is held instead
 
     def add(self, other: UnitStats) -> None:
         for f in fields(self):
@@ -130,6 +139,41 @@ class _Kept:
     def unpack(self) -> Tensor:
         check_saved_version(self.tensor, self.version)
         return self.tensor
+
+
+class _Narrowed:
+    """An int64 index tensor held in a narrower integer dtype; unpack widens it back, same strides."""
+
+    __slots__ = ("data", "shape", "stride", "source", "version", "__weakref__")
+
+    def __init__(self, data: Tensor, t: Tensor, stride: tuple[int, ...]) -> None:
+        self.data, self.shape, self.stride = data, t.shape, stride
+        self.source = weakref.ref(t)
+        self.version = t._version
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.untyped_storage().nbytes()
+
+    def unpack(self) -> Tensor:
+        src = self.source()
+        if src is not None:
+            check_saved_version(src, self.version)
+        out = torch.empty_strided(self.shape, self.stride, dtype=torch.int64, device=self.data.device)
+        out.as_strided((out.numel(),), (1,)).copy_(self.data)
+        return out
+
+
+def narrow_index_dtype(t: Tensor) -> torch.dtype | None:
+    """int16 or int32 when every value of int64 tensor t fits it, else None (one aminmax pass)."""
+    if t.numel() == 0:
+        return None
+    lo, hi = (int(v) for v in torch.aminmax(t))
+    for dtype in (torch.int16, torch.int32):
+        info = torch.iinfo(dtype)
+        if info.min <= lo and hi <= info.max:
+            return dtype
+    return None
 
 
 class _Packed:
@@ -193,7 +237,8 @@ class CompressedActivations:
     """
 
     def __init__(self, threshold: float = 0.0, min_bytes: int = 4096, store_dtype: str | torch.dtype | None = None,
-                 double_mask: bool = False, units: UnitsArg = None, exclude: Iterable[Tensor] = ()) -> None:
+                 double_mask: bool = False, units: UnitsArg = None, exclude: Iterable[Tensor] = (),
+                 narrow_indices: bool = True) -> None:
         if not (isinstance(threshold, (int, float)) and threshold >= 0 and math.isfinite(threshold)):
             raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
         if not (isinstance(min_bytes, int) and min_bytes >= 0):
@@ -202,6 +247,7 @@ class CompressedActivations:
         self.min_bytes = min_bytes
         self.store_dtype = resolve_store_dtype(store_dtype)
         self.double_mask = bool(double_mask)
+        self.narrow_indices = bool(narrow_indices)
         self.unit_pairs, self._modules = resolve_units(units)
         # Parameters and buffers of the units (and `exclude`): recognised by storage address,
         # pinned so that the addresses stay theirs while this object lives.
@@ -260,6 +306,8 @@ class CompressedActivations:
         with torch.no_grad():
             if not self.is_activation(t):
                 self.not_activations += 1
+                if self.narrow_indices and t.dtype == torch.int64:
+                    return self.store_index(t)
                 return _Kept(t)
             stats = self.unit_stats()
             stats.packs += 1
@@ -300,13 +348,14 @@ class CompressedActivations:
                 stats.kept_dense += 1
             return _Kept(t)
         flat, stride = _flat(d)
-        nnz = count_kept(flat, self.threshold)   # count first: most dense tensors (BN inputs) need no mask
-        bitmap_bytes = math.ceil(n / 8) + nnz * value_size
         cast_bytes = n * value_size
+        # a bitmap only when smaller than dense and than a plain store_dtype copy (most BN inputs:
+        # counted, not compressed)
+        bitmap, nnz = compress_if_smaller(flat, d.shape, stride, self.threshold, self.store_dtype,
+                                          max_bytes=min(dense - 1, cast_bytes))
         stats.nnz += nnz
-        stats.theoretical_bytes += bitmap_bytes
-        if bitmap_bytes < dense and bitmap_bytes <= cast_bytes:
-            bitmap = _compress_flat(flat, d.shape, stride, self.threshold, self.store_dtype, nnz)
+        stats.theoretical_bytes += math.ceil(n / 8) + nnz * value_size
+        if bitmap is not None:
             holder: _Kept | _Packed = _Packed(bitmap, t)
             stats.compressed += 1
         elif cast_bytes < dense:
@@ -316,6 +365,24 @@ class CompressedActivations:
             holder = _Kept(t)
             stats.kept_dense += 1
         stats.stored_bytes += holder.nbytes
+        return holder
+
+    def store_index(self, t: Tensor) -> _Kept | _Narrowed:
+        """An int64 tensor (max-pool indices): in int16/int32 when its values fit, else as is."""
+        d = t.detach()
+        dense = d.numel() * 8
+        if (dense < self.min_bytes or type(t) is not Tensor or t.layout != torch.strided or t.requires_grad
+                or not _owns_exactly(d)):
+            return _Kept(t)
+        dtype = narrow_index_dtype(d)
+        if dtype is None:
+            return _Kept(t)
+        flat, stride = _flat(d)
+        holder = _Narrowed(flat.to(dtype), t, stride)
+        stats = self.unit_stats()
+        stats.narrowed += 1
+        stats.index_dense_bytes += dense
+        stats.index_stored_bytes += holder.nbytes
         return holder
 
     # -- reporting
@@ -329,7 +396,7 @@ class CompressedActivations:
     def summary(self) -> dict[str, Any]:
         """Plain dicts: the options, the total, and per unit (in unit order; OUTSIDE_UNITS last)."""
         return {
-            "options": {"threshold": self.threshold, "min_bytes": self.min_bytes,
+            "options": {"threshold": self.threshold, "min_bytes": self.min_bytes, "narrow_indices": self.narrow_indices,
                         "store_dtype": str(self.store_dtype).removeprefix("torch.") if self.store_dtype else None,
                         "double_mask": self.double_mask},
             "total": self.total().to_dict(),
@@ -346,7 +413,7 @@ def _owns_exactly(t: Tensor) -> bool:
 
 def compressed_activations(threshold: float = 0.0, min_bytes: int = 4096, store_dtype: str | torch.dtype | None = None,
                            double_mask: bool = False, units: UnitsArg = None,
-                           exclude: Iterable[Tensor] = ()) -> CompressedActivations:
+                           exclude: Iterable[Tensor] = (), narrow_indices: bool = True) -> CompressedActivations:
     """Store the activations autograd saves inside the ``with`` block as sparse bitmaps.
 
     threshold: 0 = exact (bit-identical gradients); > 0 prunes |x| < threshold (approximate).
@@ -356,6 +423,7 @@ def compressed_activations(threshold: float = 0.0, min_bytes: int = 4096, store_
     units: the model (a UnitModel: per-unit stats; its parameters and buffers are never compressed)
     or (name, module) pairs; None attributes everything to "(outside units)".
     exclude: more tensors never to compress (e.g. a batch the caller keeps anyway).
+    narrow_indices: store int64 index tensors (max-pool indices) as int16/int32 when they fit (exact).
     """
     return CompressedActivations(threshold=threshold, min_bytes=min_bytes, store_dtype=store_dtype,
-                                 double_mask=double_mask, units=units, exclude=exclude)
+                                 double_mask=double_mask, units=units, exclude=exclude, narrow_indices=narrow_indices)

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from edgeflux.artifacts import atomic_write, read_json, write_json
-from edgeflux.config import TrainOptions
+from edgeflux.config import NeuroFluxParams, TrainOptions
 from edgeflux.memory import (BudgetTooSmallError, StepContext, StepMemory, format_bytes, max_batch_under_budget,
                              measure_step, no_context)
 from edgeflux.train import load_checkpoint, make_optimizer, progress_bar, run_signature, save_checkpoint
@@ -314,7 +314,9 @@ def train_blocks(learners: Sequence[LocalLearner], blocks: Sequence[Block],
         prefix = None if use_cache else _Prefix([learners[i] for i in range(block.units[0])]).to(device)
         input_hash = _input_hash(sources)
         block_sig = run_signature(run=signature or {}, units=list(block.units), planned=block.batch_size,
-                                  opts={k: getattr(opts, k) for k in TrainOptions.model_fields}, budget=budget_bytes, cache=asdict(cache),
+                                  opts={k: getattr(opts, k) for k in TrainOptions.model_fields},
+                                  lr_scaling=[opts.lr_scaling, opts.lr_reference_batch]
+                                  if isinstance(opts, NeuroFluxParams) else None, budget=budget_bytes, cache=asdict(cache),
                                   use_cache=use_cache, input=input_hash)
         result = _reuse_block(files, block_sig, block_learners, sources, prefix, device, cache) if use_cache \
             else _reuse_weights(files, block_sig, block_learners)
@@ -427,7 +429,8 @@ def _train_block(block: Block, block_learners: Sequence[LocalLearner], sources: 
              f" <= budget {format_bytes(budget_bytes)}" if budget_bytes else "")
 
     module = nn.ModuleList(block_learners).train()
-    optimizer = make_optimizer(module.parameters(), opts)
+    lr = opts.block_lr(batch) if isinstance(opts, NeuroFluxParams) else opts.lr
+    optimizer = make_optimizer(module.parameters(), opts.model_copy(update={"lr": lr}))
     n_train = sources["train"].num_samples
     steps_per_epoch = math.ceil(n_train / batch)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps_per_epoch * opts.epochs)

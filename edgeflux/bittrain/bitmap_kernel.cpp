@@ -1,0 +1,323 @@
+// BitTrain's bitmap compress / decompress as single-pass CPU loops (edgeflux.bittrain.kernel).
+//
+// The torch-op path in bitmap.py needs 4-6 passes over memory (mask, pack, cumsum, scatter,
+// copy) and their temporaries; these loops read the input once to count and once to write
+// (compress), or once (decompress), with no temporaries beyond a 64-element stack buffer. The
+// format is exactly bitmap.py's: bit i%8 of byte i/8 is element i (little-endian in the byte),
+// values in memory order, padding bits 0. Work is split into blocks of `block` elements (a
+// multiple of 8) run by at::parallel_for; block b's values start at the sum of earlier counts.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define EDGEFLUX_X86 1
+#endif
+
+namespace {
+
+using at::Tensor;
+
+template <int N> struct RawOf;
+template <> struct RawOf<2> { using type = uint16_t; };
+template <> struct RawOf<4> { using type = uint32_t; };
+template <> struct RawOf<8> { using type = uint64_t; };
+
+template <typename T> using raw_t = typename RawOf<sizeof(T)>::type;
+
+template <typename T> inline raw_t<T> bits_of(T v) { raw_t<T> r; std::memcpy(&r, &v, sizeof(T)); return r; }
+
+// Arithmetic type the |x| < threshold comparison runs in (what torch's lt uses for the dtype).
+template <typename T> using opmath_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+// keep(x): the bit pattern is not all zero (threshold 0: -0.0 kept); with a threshold, !(|x| < t)
+// (NaN is never < t: kept).
+template <typename T> struct Keep {
+  bool prune; opmath_t<T> t;
+  inline bool operator()(T v) const {
+    if (!prune) return bits_of(v) != 0;
+    return !(std::abs(static_cast<opmath_t<T>>(v)) < t);
+  }
+};
+
+template <typename T> Keep<T> make_keep(double threshold) {
+  // the threshold is rounded to the tensor's dtype first, as torch.lt(tensor, python_scalar) does
+  return Keep<T>{threshold > 0, static_cast<opmath_t<T>>(static_cast<T>(threshold))};
+}
+
+template <typename T>
+void count_blocks_impl(const T* x, int64_t n, int64_t block, double threshold, int64_t* counts) {   // kept per block
+  const auto keep = make_keep<T>(threshold);
+  const int64_t nblocks = (n + block - 1) / block;
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t lo = b * block, hi = std::min(n, lo + block);
+      int64_t c = 0;
+      for (int64_t i = lo; i < hi; ++i) c += keep(x[i]);
+      counts[b] = c;
+    }
+  });
+}
+
+template <typename S, typename D> inline D cast_value(S v) {
+  if constexpr (std::is_same_v<S, D>) return v;
+  else return static_cast<D>(static_cast<opmath_t<S>>(v));
+}
+
+// Per byte value b: POS[b] = the positions of b's set bits, ascending (then padding);
+// BELOW[b][j] = how many bits of b are set below bit j. They let every element of a byte be
+// placed independently (no chain of k += kept through the byte).
+struct Tables {
+  uint8_t pos[256][8];
+  uint8_t below[256][8];
+  Tables() {
+    for (int b = 0; b < 256; ++b) {
+      int k = 0;
+      for (int j = 0; j < 8; ++j) {
+        below[b][j] = static_cast<uint8_t>(k);
+        pos[b][j] = 0;
+        if ((b >> j) & 1) pos[b][k++] = static_cast<uint8_t>(j);
+      }
+    }
+  }
+};
+const Tables kTables;
+
+#ifdef EDGEFLUX_X86
+// float32 -> float32 with AVX-512 (x86 CPUs that have it, detected at run time): vpcompressd
+// stores a 16-element group's kept values contiguously and vpexpandd restores them, so both
+// directions run at close to copy speed. The mask's bit j is element j, which is the bitmap's
+// bit order, so a 16-bit mask is two bitmap bytes. Pure bit moves: exact for NaN, -0.0, inf.
+bool has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f");
+  return yes;
+}
+
+__attribute__((target("avx512f,popcnt")))
+void compress_block_f32_avx512(const float* x, int64_t lo, int64_t hi, double threshold, uint8_t* bitmap, float* out) {
+  const bool prune = threshold > 0;
+  const __m512 t = _mm512_set1_ps(static_cast<float>(threshold));
+  const __m512i abs_bits = _mm512_set1_epi32(0x7fffffff);
+  for (int64_t g = lo; g < hi; g += 16) {
+    const int64_t m = std::min<int64_t>(16, hi - g);
+    const __mmask16 valid = m == 16 ? __mmask16(0xFFFF) : __mmask16((1u << m) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(valid, x + g);
+    const __m512i bits = _mm512_castps_si512(v);
+    // threshold 0: any bit set (keeps -0.0); otherwise !(|x| < t), NaN kept (unordered -> true)
+    const __mmask16 keep = prune
+        ? _mm512_mask_cmp_ps_mask(valid, _mm512_castsi512_ps(_mm512_and_si512(bits, abs_bits)), t, _CMP_NLT_UQ)
+        : _mm512_mask_test_epi32_mask(valid, bits, bits);
+    _mm512_mask_compressstoreu_ps(out, keep, v);
+    out += __builtin_popcount(keep);
+    bitmap[g >> 3] = static_cast<uint8_t>(keep);
+    if (m > 8) bitmap[(g >> 3) + 1] = static_cast<uint8_t>(keep >> 8);
+  }
+}
+
+__attribute__((target("avx512f,popcnt")))
+void decompress_block_f32_avx512(const uint8_t* bitmap, const float* values, int64_t lo, int64_t hi, float* out) {
+  for (int64_t g = lo; g < hi; g += 16) {
+    const int64_t m = std::min<int64_t>(16, hi - g);
+    const unsigned bits = bitmap[g >> 3] | (m > 8 ? unsigned(bitmap[(g >> 3) + 1]) << 8 : 0u);
+    const __m512 v = _mm512_maskz_expandloadu_ps(__mmask16(bits), values);   // reads popcount(bits) values
+    values += __builtin_popcount(bits);
+    if (m == 16) _mm512_storeu_ps(out + g, v);
+    else _mm512_mask_storeu_ps(out + g, __mmask16((1u << m) - 1), v);
+  }
+}
+#endif
+
+template <typename S, typename D>
+void compress_impl(const S* x, int64_t n, int64_t block, double threshold, const int64_t* offsets,
+                   uint8_t* bitmap, D* values) {
+  const auto keep = make_keep<S>(threshold);
+  const int64_t nblocks = (n + block - 1) / block;
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    D buf[64 + 8];                                   // + 8: a byte's copies may run past its count
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t lo = b * block, hi = std::min(n, lo + block);
+      D* out = values + offsets[b];
+#ifdef EDGEFLUX_X86
+      if constexpr (std::is_same_v<S, float> && std::is_same_v<D, float>) {
+        if (has_avx512()) { compress_block_f32_avx512(x, lo, hi, threshold, bitmap, out); continue; }
+      }
+#endif
+      for (int64_t g = lo; g < hi; g += 64) {        // 64 elements: 8 bitmap bytes
+        const int64_t m = std::min<int64_t>(64, hi - g);
+        int k = 0;
+        for (int64_t j0 = 0; j0 < m; j0 += 8) {
+          const S* xs = x + g + j0;
+          unsigned byte = 0;
+          if (m - j0 >= 8) {
+            for (int j = 0; j < 8; ++j) byte |= static_cast<unsigned>(keep(xs[j])) << j;
+          } else {
+            for (int j = 0; j < m - j0; ++j) byte |= static_cast<unsigned>(keep(xs[j])) << j;
+          }
+          bitmap[(g + j0) >> 3] = static_cast<uint8_t>(byte);
+          if (byte == 0) continue;
+          const uint8_t* pos = kTables.pos[byte];
+          for (int i = 0; i < 8; ++i) buf[k + i] = cast_value<S, D>(xs[pos[i]]);   // only the first popcount count
+          k += __builtin_popcount(byte);
+        }
+        std::memcpy(out, buf, sizeof(D) * k);
+        out += k;
+      }
+    }
+  });
+}
+
+template <typename D, typename S>
+void decompress_impl(const uint8_t* bitmap, const S* values, int64_t nnz, int64_t n, int64_t block, D* out) {
+  const int64_t nblocks = (n + block - 1) / block;
+  std::vector<int64_t> offsets(nblocks + 1, 0);
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t lo = b * block / 8, hi = (std::min(n, (b + 1) * block) + 7) / 8;
+      int64_t c = 0;
+      for (int64_t i = lo; i < hi; ++i) c += __builtin_popcount(bitmap[i]);
+      offsets[b + 1] = c;
+    }
+  });
+  for (int64_t b = 0; b < nblocks; ++b) offsets[b + 1] += offsets[b];
+  TORCH_CHECK(offsets[nblocks] == nnz, "bitmap has ", offsets[nblocks], " set bits but ", nnz, " values are stored");
+  using R = raw_t<S>;
+  const R* raw = reinterpret_cast<const R*>(values);
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t lo = b * block, hi = std::min(n, lo + block);
+      int64_t k = offsets[b];
+#ifdef EDGEFLUX_X86
+      if constexpr (std::is_same_v<S, float> && std::is_same_v<D, float>) {
+        if (has_avx512()) { decompress_block_f32_avx512(bitmap, values + k, lo, hi, out); continue; }
+      }
+#endif
+      for (int64_t g = lo; g < hi; g += 8) {
+        const unsigned byte = bitmap[g >> 3];
+        D* o = out + g;
+        if (hi - g < 8) {                            // the tensor's last, partial byte
+          for (int j = 0; j < hi - g; ++j) {
+            if (byte == 0) { o[j] = D(0); continue; }   // nothing stored: values may be empty
+            const R bit = (byte >> j) & 1u;
+            R r = raw[(k + kTables.below[byte][j]) * bit] & static_cast<R>(0 - bit);
+            S v; std::memcpy(&v, &r, sizeof(S));
+            o[j] = cast_value<S, D>(v);
+          }
+          break;
+        }
+        if (byte == 0) {
+          for (int j = 0; j < 8; ++j) o[j] = D(0);
+          continue;
+        }
+        if (byte == 0xFF) {
+          for (int j = 0; j < 8; ++j) o[j] = cast_value<S, D>(values[k + j]);
+          k += 8;
+          continue;
+        }
+        const uint8_t* below = kTables.below[byte];
+        for (int j = 0; j < 8; ++j) {
+          const R bit = (byte >> j) & 1u;
+          // values[(k + below) * bit] is always in range (< nnz when the bit is set, index 0
+          // otherwise) and the mask zeroes it where the bit is clear: a branch-free select that
+          // keeps every bit of the stored value
+          R r = raw[(k + below[j]) * bit] & static_cast<R>(0 - bit);
+          S v; std::memcpy(&v, &r, sizeof(S));
+          o[j] = cast_value<S, D>(v);
+        }
+        k += __builtin_popcount(byte);
+      }
+    }
+  });
+}
+
+// Runs f with the C++ type for a float ScalarType; false when the dtype is not one of ours.
+template <typename F> bool with_float_type(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); return true;
+    case at::kDouble: f(double{}); return true;
+    case at::kHalf: f(c10::Half{}); return true;
+    case at::kBFloat16: f(c10::BFloat16{}); return true;
+    default: return false;
+  }
+}
+
+void check_flat(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 1 && t.is_contiguous(), name, " must be a contiguous 1-D CPU tensor");
+}
+
+// The bitmap of 1-D `flat` (threshold as in bitmap.py; values stored in store_dtype or flat's
+// dtype): (bitmap, values, nnz). When max_bytes >= 0 and the bitmap would take more than
+// max_bytes, nothing is allocated and (empty, empty, nnz) is returned: callers keep the tensor dense.
+std::tuple<Tensor, Tensor, int64_t> compress(const Tensor& flat, double threshold, std::optional<at::ScalarType> store_dtype,
+                                              int64_t max_bytes, int64_t block) {
+  check_flat(flat, "flat");
+  TORCH_CHECK(block > 0 && block % 8 == 0, "block must be a positive multiple of 8");
+  const int64_t n = flat.numel();
+  const at::ScalarType value_type = store_dtype.value_or(flat.scalar_type());
+  std::vector<int64_t> offsets((n + block - 1) / block + 1, 0);
+  bool ok = with_float_type(flat.scalar_type(), [&](auto s) {
+    using S = decltype(s);
+    count_blocks_impl<S>(flat.const_data_ptr<S>(), n, block, threshold, offsets.data() + 1);
+  });
+  TORCH_CHECK(ok, "compress: unsupported dtype ", flat.scalar_type());
+  for (size_t b = 1; b < offsets.size(); ++b) offsets[b] += offsets[b - 1];   // offsets[b] = values before block b
+  const int64_t nnz = offsets.back();
+  const int64_t bytes = (n + 7) / 8 + nnz * static_cast<int64_t>(c10::elementSize(value_type));
+  if (max_bytes >= 0 && bytes > max_bytes) {
+    return {at::empty({0}, flat.options().dtype(at::kByte)), at::empty({0}, flat.options().dtype(value_type)), nnz};
+  }
+  Tensor bitmap = at::empty({(n + 7) / 8}, flat.options().dtype(at::kByte));
+  Tensor values = at::empty({nnz}, flat.options().dtype(value_type));
+  ok = false;
+  with_float_type(flat.scalar_type(), [&](auto s) {
+    using S = decltype(s);
+    ok = with_float_type(value_type, [&](auto d) {
+      using D = decltype(d);
+      compress_impl<S, D>(flat.const_data_ptr<S>(), n, block, threshold, offsets.data(),
+                          bitmap.mutable_data_ptr<uint8_t>(), values.mutable_data_ptr<D>());
+    });
+  });
+  TORCH_CHECK(ok, "compress: unsupported dtypes ", flat.scalar_type(), " -> ", value_type);
+  return {bitmap, values, nnz};
+}
+
+void decompress_into(const Tensor& bitmap, const Tensor& values, int64_t block, const Tensor& out) {
+  check_flat(bitmap, "bitmap"); check_flat(values, "values"); check_flat(out, "out");
+  const int64_t n = out.numel();
+  TORCH_CHECK(block > 0 && block % 8 == 0, "block must be a positive multiple of 8");
+  TORCH_CHECK(bitmap.scalar_type() == at::kByte && bitmap.numel() == (n + 7) / 8, "bitmap: ceil(n/8) uint8");
+  bool ok = false;
+  with_float_type(out.scalar_type(), [&](auto d) {
+    using D = decltype(d);
+    ok = with_float_type(values.scalar_type(), [&](auto s) {
+      using S = decltype(s);
+      decompress_impl<D, S>(bitmap.const_data_ptr<uint8_t>(), values.const_data_ptr<S>(), values.numel(), n, block,
+                            out.mutable_data_ptr<D>());
+    });
+  });
+  TORCH_CHECK(ok, "decompress_into: unsupported dtypes ", values.scalar_type(), " -> ", out.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(edgeflux_bitmap, m) {
+  m.def("compress(Tensor flat, float threshold, ScalarType? store_dtype, int max_bytes, int block) -> (Tensor, Tensor, int)");
+  m.def("decompress_into(Tensor bitmap, Tensor values, int block, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(edgeflux_bitmap, CPU, m) {
+  m.impl("compress", compress);
+  m.impl("decompress_into", decompress_into);
+}
