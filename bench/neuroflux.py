@@ -66,7 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="budgets as fractions of backprop's measured batch-1 minimum per model")
     parser.add_argument("--train-samples", type=int, default=8000, help="Fashion-MNIST training images (target split)")
     parser.add_argument("--eval-samples", type=int, default=2000, help="validation and test images")
-    parser.add_argument("--epochs", type=int, default=2, help="epochs per block (NeuroFlux) and per unit (classic LL)")
+    parser.add_argument("--epochs", type=int, default=4, help="epochs per block (NeuroFlux) and per unit (classic LL)")
+    parser.add_argument("--lr-scaling", choices=["constant", "linear", "sqrt"], default="sqrt",
+                        help="how each NeuroFlux block scales lr 0.05 (set for batch 32) to its own batch size")
     parser.add_argument("--bp-epochs", type=int, default=6, help="epochs of backprop over the whole network")
     parser.add_argument("--time-limit", type=float, default=300.0,
                         help="seconds of training after which classic local learning starts no new unit")
@@ -110,6 +112,8 @@ def run_backprop(spec, splits, opts, budget, args) -> dict:
 
 def run_local(spec, splits, opts, budget, args, classic: bool) -> dict:
     method = "classic LL" if classic else "NeuroFlux"
+    if classic:   # the baseline as published: one lr for every unit
+        opts = opts.model_copy(update={"lr_scaling": "constant"})
     aux = dict(mode="classic" if classic else "adaptive", classic_filters=256, pool=2, seed=0)
     model, learners = build_learners(spec, aux)
     profiles = profile_units(learners, model.describe(), spec["num_classes"], optimizer_factory(opts),
@@ -258,7 +262,8 @@ def main(argv=None) -> None:
     splits = {"train": tensors(data, "target_train", limit=args.train_samples),
               "val": tensors(data, "target_val", limit=args.eval_samples),
               "test": tensors(data, "target_test", limit=args.eval_samples)}
-    opts = NeuroFluxParams(epochs=args.epochs, lr=0.05, momentum=0.9, weight_decay=5e-4, evals_per_epoch=2, seed=0)
+    opts = NeuroFluxParams(epochs=args.epochs, lr=0.05, momentum=0.9, weight_decay=5e-4, evals_per_epoch=2, seed=0,
+                           lr_scaling=args.lr_scaling, lr_reference_batch=32)
     rows, speedups = [], []
     started = time.perf_counter()
     for name in args.models:
@@ -304,7 +309,8 @@ def main(argv=None) -> None:
                 else (count_params(build_model(**spec)) / nf["params"] if nf["feasible"] else None)
             speedups.append(entry)
     write(rows, speedups, args, f"Fashion-MNIST target split, {args.train_samples} training images, {args.eval_samples} "
-          f"validation and test images, {args.epochs} epochs per block/unit (backprop: {args.bp_epochs}), classic LL "
+          f"validation and test images, {args.epochs} epochs per block/unit (backprop: {args.bp_epochs}), NeuroFlux "
+          f"lr scaling {args.lr_scaling} from batch 32, classic LL "
           f"capped at {args.time_limit:g}s of training, torch threads {torch.get_num_threads()}; "
           f"bench time {time.perf_counter() - started:.0f}s.")
 

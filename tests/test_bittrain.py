@@ -486,4 +486,9 @@ def test_holders_keep_what_they_should():
     t = torch.relu(torch.randn(64, 64))
     kept, packed = _Kept(t), _Packed(compress(t), t)
     assert kept.tensor.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
-    assert isinstance(packed.data, BitmapTensor) and torch.equal(packed.unpack(), t)
+    assert isinstance(packed.data, BitmapTensor) and not packed.restored
+    restored = packed.unpack()
+    assert torch.equal(restored, t)
+    # the compressed copy is let go once restored (it would only add to backward's peak), and a
+    # second unpack returns the same tensor instead of decompressing again
+    assert packed.restored and packed.data is restored and packed.unpack() is restored

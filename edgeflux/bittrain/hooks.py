@@ -142,26 +142,36 @@ class _Kept:
 
 
 class _Narrowed:
-    """An int64 index tensor held in a narrower integer dtype; unpack widens it back, same strides."""
+    """An int64 index tensor held in a narrower integer dtype; unpack widens it back, same strides.
 
-    __slots__ = ("data", "shape", "stride", "source", "version", "__weakref__")
+    Narrowing is deferred to the next pack (or the end of the block): at the moment max-pool saves
+    its indices, its input (the dense activation) is still alive, and the narrow copy would add to
+    the forward's peak there; one operation later that input is gone. After the first unpack only
+    the widened tensor is kept (see _Packed).
+    """
 
-    def __init__(self, data: Tensor, t: Tensor, stride: tuple[int, ...]) -> None:
-        self.data, self.shape, self.stride = data, t.shape, stride
+    __slots__ = ("data", "dtype", "shape", "stride", "source", "version", "_restored", "__weakref__")
+
+    def __init__(self, flat: Tensor, dtype: torch.dtype, t: Tensor, stride: tuple[int, ...]) -> None:
+        self.data = flat                 # int64 until narrow(), then dtype, then int64 again once unpacked
+        self.dtype, self.shape, self.stride = dtype, t.shape, stride
         self.source = weakref.ref(t)
         self.version = t._version
+        self._restored = False
 
-    @property
-    def nbytes(self) -> int:
-        return self.data.untyped_storage().nbytes()
+    def narrow(self) -> None:
+        if self.data.dtype == torch.int64 and not self._restored:
+            self.data = self.data.to(self.dtype)
 
     def unpack(self) -> Tensor:
         src = self.source()
         if src is not None:
             check_saved_version(src, self.version)
-        out = torch.empty_strided(self.shape, self.stride, dtype=torch.int64, device=self.data.device)
-        out.as_strided((out.numel(),), (1,)).copy_(self.data)
-        return out
+        if not self._restored:
+            out = torch.empty_strided(self.shape, self.stride, dtype=torch.int64, device=self.data.device)
+            out.as_strided((out.numel(),), (1,)).copy_(self.data)
+            self.data, self._restored = out, True
+        return self.data
 
 
 def narrow_index_dtype(t: Tensor) -> torch.dtype | None:
@@ -179,45 +189,40 @@ def narrow_index_dtype(t: Tensor) -> torch.dtype | None:
 class _Packed:
     """A compressed activation: a BitmapTensor or a dense copy in store_dtype.
 
-    ``uses`` counts the operations that saved it. Their backward ops run close together (e.g.
-    max-pool and ReLU reading one ReLU output), and plain autograd holds the dense tensor until
-    the last of them; so at the first unpack of a tensor with several uses the decompressed
-    tensor *replaces* the compressed data (never both in memory, never decompressed twice), and
-    the holder is released with the last consumer's saved variables, as in plain autograd.
-    A tensor with one use keeps its compressed data (backward with retain_graph=True can unpack
-    it again) and only a weak cache of the decompressed tensor.
+    The first unpack *replaces* the compressed data with the restored tensor: the operation that
+    asked for it holds that tensor until its backward is done anyway, so keeping the compressed
+    copy beside it would only add its bytes to backward's peak. Later unpacks (a tensor saved by
+    several operations, e.g. max-pool and ReLU reading one ReLU output; backward again with
+    retain_graph=True) get the restored tensor, never a second decompression; the holder is
+    released with the last consumer's saved variables, as in plain autograd.
     """
 
-    __slots__ = ("data", "dtype", "source", "version", "uses", "_cache", "__weakref__")
+    __slots__ = ("data", "dtype", "source", "version", "__weakref__")
 
     def __init__(self, data: BitmapTensor | Tensor, t: Tensor) -> None:
         self.data: BitmapTensor | Tensor = data
         self.dtype = t.dtype
         self.source = weakref.ref(t)   # to check in-place changes while the original is still alive
         self.version = t._version
-        self.uses = 1
-        self._cache: weakref.ref | None = None
 
     @property
     def nbytes(self) -> int:
         d = self.data
         return d.nbytes if isinstance(d, BitmapTensor) else d.untyped_storage().nbytes()
 
+    @property
+    def restored(self) -> bool:
+        return isinstance(self.data, Tensor) and self.data.dtype == self.dtype
+
     def unpack(self) -> Tensor:
         src = self.source()
         if src is not None:
             check_saved_version(src, self.version)
-        d = self.data
-        if isinstance(d, Tensor) and d.dtype == self.dtype:
-            return d                      # already restored for a tensor with several uses
-        out = self._cache() if self._cache is not None else None
-        if out is None:
+        if not self.restored:
+            d = self.data
             with torch.no_grad():
-                out = d.decompress() if isinstance(d, BitmapTensor) else d.to(self.dtype)
-            self._cache = weakref.ref(out)
-        if self.uses > 1:
-            self.data = out
-        return out
+                self.data = d.decompress() if isinstance(d, BitmapTensor) else d.to(self.dtype)
+        return self.data
 
 
 def unpack_saved(packed: Any) -> Tensor:
@@ -256,6 +261,7 @@ class CompressedActivations:
         self.stats: dict[str, UnitStats] = {name: UnitStats() for name, _ in self.unit_pairs}
         self.stats.setdefault(OUTSIDE_UNITS, UnitStats())
         self.not_activations = 0     # packs returned as is: parameters, buffers, indices, ...
+        self._to_narrow: list[_Narrowed] = []   # index holders to narrow at the next pack
         self._seen: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self._tracker: UnitTracker | None = None
         self._hooks: Any = None
@@ -286,6 +292,8 @@ class CompressedActivations:
                 self._dm = None
             self._tracker.__exit__(*exc)
             self._seen = WeakTensorKeyDictionary()
+            with torch.no_grad():
+                self._narrow_pending()
 
     # -- pack
     def is_activation(self, t: Tensor) -> bool:
@@ -304,6 +312,8 @@ class CompressedActivations:
 
     def _pack(self, t: Tensor) -> Any:
         with torch.no_grad():
+            if self._to_narrow:
+                self._narrow_pending()
             if not self.is_activation(t):
                 self.not_activations += 1
                 if self.narrow_indices and t.dtype == torch.int64:
@@ -315,8 +325,6 @@ class CompressedActivations:
             if entry is not None and entry[0] == t._version:
                 holder = entry[1]()
                 if holder is not None:
-                    if isinstance(holder, _Packed):
-                        holder.uses += 1
                     return holder
             if self._dm is not None:
                 special = self._dm.pack(t, stats)
@@ -378,12 +386,18 @@ class CompressedActivations:
         if dtype is None:
             return _Kept(t)
         flat, stride = _flat(d)
-        holder = _Narrowed(flat.to(dtype), t, stride)
+        holder = _Narrowed(flat, dtype, t, stride)
+        self._to_narrow.append(holder)
         stats = self.unit_stats()
         stats.narrowed += 1
         stats.index_dense_bytes += dense
-        stats.index_stored_bytes += holder.nbytes
+        stats.index_stored_bytes += d.numel() * dtype.itemsize
         return holder
+
+    def _narrow_pending(self) -> None:
+        pending, self._to_narrow = self._to_narrow, []
+        for holder in pending:
+            holder.narrow()
 
     # -- reporting
     def total(self) -> UnitStats:
