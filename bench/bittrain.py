@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import gc
 import math
+import resource
 import statistics
 import sys
 import time
@@ -36,7 +37,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from bench.common import BenchResult, bench_argparser  # noqa: E402
 from edgeflux.bittrain import BitTrainOptions, compress, kernel  # noqa: E402
 from edgeflux.data import batches, load_raw, prepare, tensors  # noqa: E402
-from edgeflux.memory import measure_training_peak, track_live_tensors  # noqa: E402
+from edgeflux.memory import measure_training_peak, retain_freed_heap, track_live_tensors  # noqa: E402
 from edgeflux.models import build_model  # noqa: E402
 
 NAME = "bittrain"
@@ -228,17 +229,20 @@ def model_rows(key: str, width: float, batch: int, reps: int, data, variants: li
         opt.step()
 
     times = {v: [] for v in variants}
+    faults = {v: 0 for v in variants}                     # minor page faults: fresh pages from the kernel
     for v in variants:
         step(v)                                           # warm-up (allocator, oneDNN primitives)
         progress.advance(task)
     for _ in range(reps):
         for v in variants:
-            t = time.perf_counter()
+            f, t = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
             step(v)
             times[v].append(time.perf_counter() - t)
+            faults[v] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f
             progress.advance(task)
     dense_t = statistics.median(times["dense"])
     for v, r in rows.items():
+        r["page_faults_per_step"] = faults[v] / reps
         r["step_time_s"] = statistics.median(times[v])
         r["step_time_ratio"] = r["step_time_s"] / dense_t if v != "dense" else 1.0
     return list(rows.values())
@@ -335,7 +339,13 @@ def main(argv=None) -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS), metavar="MODEL",
                         help=f"models for the training-step part (default: all of {', '.join(MODELS)})")
     parser.add_argument("--acc-steps", type=int, default=None, help="training steps per accuracy run")
+    parser.add_argument("--malloc", choices=["default", "retain"], default="default",
+                        help="glibc malloc as it comes (default), or told to keep freed heap memory for reuse "
+                             "(edgeflux.memory.retain_freed_heap: no page faults on every step's re-allocations, "
+                             "for dense and bitmap alike); results go to bittrain_retain.{json,md}")
     args = parser.parse_args(argv)
+    if args.malloc == "retain" and not retain_freed_heap():
+        raise SystemExit("--malloc retain needs glibc's malloc (Linux with glibc)")
     cfg = QUICK if args.quick else FULL
     acc_steps = args.acc_steps or cfg["acc_steps"]
     if args.threads:
@@ -375,7 +385,8 @@ def main(argv=None) -> None:
                  "stored": mib(r["achieved_bytes"]), "theoretical": mib(r["theoretical_bytes"]),
                  "saved Δ": pct(-r["saved_reduction"]) if r["saved_reduction"] is not None else "",
                  "sparsity": pct(r["sparsity"]), "step time": f"{1e3 * r['step_time_s']:.0f} ms",
-                 "ratio": f"{r['step_time_ratio']:.2f}"} for r in train]
+                 "ratio": f"{r['step_time_ratio']:.2f}", "page faults/step": f"{r['page_faults_per_step']:,.0f}"}
+                for r in train]
     for r in acc:
         r["peak_bytes"] = next((t["peak_bytes"] for t in train if (t["model"], t["variant"], t["width"])
                                 == (r["model"], r["variant"], r["width"])), None)
@@ -418,10 +429,15 @@ bytes the compressed tensor holds (edgeflux.memory tracker); throughput = dense 
 "bitmap" rows run the compiled C++ kernel (edgeflux/bittrain/bitmap_kernel.cpp); "bitmap, torch ops" the same
 format made with torch ops only (the path used where the kernel cannot be built); "bitmap, int64 indices" keeps
 max-pool indices int64 (narrow_indices=False), to show what narrowing them to int16 saves.
+page faults/step: minor page faults of the process during a timed step (each a fresh 4 KiB page from the kernel:
+glibc returns large freed blocks to the OS, so every step's re-allocations fault again unless --malloc retain).
 """
-    result.write(NAME, args.out, title="BitTrain: sparse bitmap activations, Table 1 and whole training steps",
+    name, title = NAME, "BitTrain: sparse bitmap activations, Table 1 and whole training steps"
+    if args.malloc == "retain":
+        name, title = f"{NAME}_retain", title + " (glibc malloc keeps freed heap memory)"
+    result.write(name, args.out, title=title,
                  md_rows=md_train, notes=notes + f"torch intra-op threads: {torch.get_num_threads()}; "
-                                                 f"C++ kernel loaded: {kernel.available()}.\n",
+                                                 f"C++ kernel loaded: {kernel.available()}; malloc: {args.malloc}.\n",
                  extra={"copy_bandwidth": bandwidth, "targets": tg,
                         "config": {k: v for k, v in cfg.items()}})
 
