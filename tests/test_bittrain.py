@@ -3,6 +3,9 @@ bit-identical gradients on real Fashion-MNIST images and measurably less memory.
 import copy
 import gc
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -33,14 +36,15 @@ def nonzero_bits(t: torch.Tensor) -> int:
 
 
 @pytest.fixture(params=["kernel", "torch"])
-def bitmap_path(request, monkeypatch):
+def bitmap_path(request):
     """Run a test on the compiled CPU kernel and on the torch-op path (both write the same format)."""
     if request.param == "kernel":
         if not kernel.available():
             pytest.skip("the C++ bitmap kernel could not be built here (needs g++ and ninja)")
+        yield request.param
     else:
-        monkeypatch.setenv("EDGEFLUX_BITTRAIN_KERNEL", "0")
-    return request.param
+        with kernel.disabled():
+            yield request.param
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +122,7 @@ def test_compressing_needs_one_chunk_of_temporaries_not_a_tensors_worth(threshol
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 @pytest.mark.parametrize("store_dtype", [None, torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("threshold", [0.0, 0.05, 1.0])
-def test_kernel_and_torch_paths_write_the_same_bytes(dtype, store_dtype, threshold, monkeypatch):
+def test_kernel_and_torch_paths_write_the_same_bytes(dtype, store_dtype, threshold):
     """The compiled kernel and the torch ops produce identical bitmaps and values (every size class:
     a partial byte, a partial 16-element group, several kernel blocks) and restore each other's output.
     (No NaN here: the torch path's scatter canonicalises bfloat16 NaN payloads; the round-trip test
@@ -128,18 +132,45 @@ def test_kernel_and_torch_paths_write_the_same_bytes(dtype, store_dtype, thresho
         t = torch.relu(torch.randn(n, generator=g)).to(dtype)
         if n > 4:
             t[1], t[3] = -0.0, float("inf")
-        packed = {}
-        for path in ("kernel", "torch"):
-            monkeypatch.setenv("EDGEFLUX_BITTRAIN_KERNEL", "1" if path == "kernel" else "0")
-            packed[path] = compress(t, threshold=threshold, store_dtype=store_dtype)
-        a, b = packed["kernel"], packed["torch"]
+        a = compress(t, threshold=threshold, store_dtype=store_dtype)
+        with kernel.disabled():
+            b = compress(t, threshold=threshold, store_dtype=store_dtype)
         assert torch.equal(a.bitmap, b.bitmap), n
         assert a.values.dtype == b.values.dtype and torch.equal(bits(a.values), bits(b.values)), n
-        monkeypatch.setenv("EDGEFLUX_BITTRAIN_KERNEL", "1")
-        from_torch = b.decompress()
-        monkeypatch.setenv("EDGEFLUX_BITTRAIN_KERNEL", "0")
-        from_kernel = a.decompress()
+        from_torch = b.decompress()          # restored by the kernel
+        with kernel.disabled():
+            from_kernel = a.decompress()     # restored by torch ops
         assert torch.equal(bits(from_torch), bits(from_kernel)), n
+
+
+@pytest.mark.skipif(not kernel.available(), reason="the C++ bitmap kernel could not be built here")
+@pytest.mark.parametrize("threshold", [0.0, 0.05])
+def test_kernel_block_size_does_not_change_the_bytes(threshold):
+    """Blocks that split a 16-element group (8, 24, 40: the vector loops' tails inside a block) write
+    and restore the same bytes as one whole block."""
+    g = torch.Generator().manual_seed(2)
+    for n in (5, 16, 100, 1001):
+        t = torch.relu(torch.randn(n, generator=g))
+        ref_bitmap, ref_values, ref_nnz = kernel.compress(t, threshold, None, -1, 1 << 16)
+        for block in (8, 24, 40):
+            bitmap, values, nnz = kernel.compress(t, threshold, None, -1, block)
+            assert nnz == ref_nnz and torch.equal(bitmap, ref_bitmap) and torch.equal(values, ref_values), (n, block)
+            out = torch.full_like(t, float("nan"))
+            kernel.decompress_into(bitmap, values, block, out)
+            assert torch.equal(out, torch.where(t.abs() < threshold, 0.0, t) if threshold else t), (n, block)
+
+
+@pytest.mark.skipif(not kernel.available(), reason="the C++ bitmap kernel could not be built here")
+def test_kernel_narrow_index_picks_the_smallest_integer_type_that_holds_every_value():
+    x = torch.randint(-1000, 30000, ((1 << 16) + 3,), generator=torch.Generator().manual_seed(3))
+    for extreme, dtype in ((32767, torch.int16), (-32768, torch.int16), (32768, torch.int32),
+                           (-(2**31), torch.int32), (2**31, None), (-(2**40), None)):
+        x[-1] = extreme                 # in the last, partial chunk: every chunk's verdict counts
+        out = kernel.narrow_index(x)
+        if dtype is None:
+            assert out.numel() == 0
+        else:
+            assert out.dtype == dtype and torch.equal(out.long(), x), extreme
 
 
 def test_bitmap_layout_every_byte_pattern(bitmap_path):
@@ -253,7 +284,7 @@ def test_parameters_views_and_indices_never_reach_storage(fmnist):
 
 
 @pytest.mark.parametrize("side,dtype", [(32, torch.int16), (256, torch.int32)])
-def test_max_pool_indices_are_narrowed_exactly(side, dtype):
+def test_max_pool_indices_are_narrowed_exactly(side, dtype, bitmap_path):
     """Max-pool's int64 indices (positions within a side x side map) are held as int16 when they fit,
     int32 when not (256*256 > 32767), widened back with the same strides: gradients bit-identical."""
     torch.manual_seed(0)
@@ -282,7 +313,31 @@ def test_max_pool_indices_are_narrowed_exactly(side, dtype):
     assert back.dtype == torch.int64 and back.stride() == idx.stride() and torch.equal(back, idx)
     big = torch.full((1024,), 1 << 40)                              # values beyond int32: kept as they are
     with compressed_activations(min_bytes=0) as ca:
-        assert isinstance(ca._pack(big), _Kept)
+        holder = ca._pack(big)
+    assert holder.data.dtype == torch.int64 and ca.total().narrowed == 0
+    back = holder.unpack()
+    assert back.data_ptr() == big.data_ptr() and torch.equal(back, big)   # the original memory, not a copy
+
+
+def test_a_reused_id_never_returns_another_tensors_holder():
+    """Deduplication is keyed by id(); an entry whose tensor is gone (its id now another tensor's)
+    or was modified in place since is a miss, so the tensor is stored on its own."""
+    a, b = torch.relu(torch.randn(64, 64)), torch.relu(torch.randn(64, 64))
+    with compressed_activations(min_bytes=0) as ca:
+        held = ca._pack(a)
+        ca._seen[id(b)] = ca._seen[id(a)]          # as if b had taken a's id after a was freed
+        other = ca._pack(b)
+        assert other is not held and torch.equal(other.unpack(), b)
+        assert ca._pack(a) is held                 # a itself still finds its holder
+        a.mul_(2)                                  # ... until it changes in place
+        assert ca._pack(a) is not held
+
+
+def test_env_switch_turns_the_kernel_off():
+    code = "from edgeflux.bittrain import kernel; print(kernel.available())"
+    env = {**os.environ, "EDGEFLUX_BITTRAIN_KERNEL": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_shared_relu_output_is_stored_once():

@@ -14,6 +14,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -58,6 +59,90 @@ template <typename T> Keep<T> make_keep(double threshold) {
   return Keep<T>{threshold > 0, static_cast<opmath_t<T>>(static_cast<T>(threshold))};
 }
 
+#ifdef EDGEFLUX_X86
+// float32 -> float32 with AVX-512 (x86 CPUs that have it, detected at run time): vpcompressd
+// stores a 16-element group's kept values contiguously and vpexpandd restores them, so both
+// directions run at close to copy speed. The mask's bit j is element j, which is the bitmap's
+// bit order, so a 16-bit mask is two bitmap bytes. Pure bit moves: exact for NaN, -0.0, inf.
+bool has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f");
+  return yes;
+}
+
+// The keep-mask of 16 floats (see Keep): bits 0..m-1 of the result.
+__attribute__((target("avx512f")))
+inline __mmask16 keep_mask_f32(__m512 v, __mmask16 valid, bool prune, __m512 t) {
+  const __m512i bits = _mm512_castps_si512(v);
+  return prune
+      ? _mm512_mask_cmp_ps_mask(valid, _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff))), t,
+                                _CMP_NLT_UQ)
+      : _mm512_mask_test_epi32_mask(valid, bits, bits);
+}
+
+__attribute__((target("avx512f,popcnt")))
+int64_t count_block_f32_avx512(const float* x, int64_t lo, int64_t hi, double threshold) {
+  const bool prune = threshold > 0;
+  const __m512 t = _mm512_set1_ps(static_cast<float>(threshold));
+  int64_t c = 0, g = lo;
+  for (; g + 16 <= hi; g += 16) c += __builtin_popcount(keep_mask_f32(_mm512_loadu_ps(x + g), 0xFFFF, prune, t));
+  if (g < hi) {
+    const __mmask16 valid = __mmask16((1u << (hi - g)) - 1);
+    c += __builtin_popcount(keep_mask_f32(_mm512_maskz_loadu_ps(valid, x + g), valid, prune, t));
+  }
+  return c;
+}
+
+__attribute__((target("avx512f,popcnt")))
+void compress_block_f32_avx512(const float* x, int64_t lo, int64_t hi, double threshold, uint8_t* bitmap, float* out) {
+  const bool prune = threshold > 0;
+  const __m512 t = _mm512_set1_ps(static_cast<float>(threshold));
+  int64_t g = lo;                                   // lo is a multiple of 8: g >> 3 is g's bitmap byte
+  for (; g + 16 <= hi; g += 16) {
+    const __m512 v = _mm512_loadu_ps(x + g);
+    const __mmask16 keep = keep_mask_f32(v, 0xFFFF, prune, t);
+    _mm512_mask_compressstoreu_ps(out, keep, v);
+    out += __builtin_popcount(keep);
+    const uint16_t two_bytes = keep;
+    std::memcpy(bitmap + (g >> 3), &two_bytes, 2);   // little-endian: element g's byte first
+  }
+  if (g < hi) {                                     // the block's last 1-15 elements
+    const int64_t m = hi - g;
+    const __mmask16 valid = __mmask16((1u << m) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(valid, x + g);
+    const __mmask16 keep = keep_mask_f32(v, valid, prune, t);
+    _mm512_mask_compressstoreu_ps(out, keep, v);
+    bitmap[g >> 3] = static_cast<uint8_t>(keep);
+    if (m > 8) bitmap[(g >> 3) + 1] = static_cast<uint8_t>(keep >> 8);
+  }
+}
+
+__attribute__((target("avx512f,popcnt")))
+void decompress_block_f32_avx512(const uint8_t* bitmap, const float* values, int64_t lo, int64_t hi, float* out) {
+  int64_t g = lo;
+  for (; g + 16 <= hi; g += 16) {
+    uint16_t bits; std::memcpy(&bits, bitmap + (g >> 3), 2);
+    _mm512_storeu_ps(out + g, _mm512_maskz_expandloadu_ps(__mmask16(bits), values));   // reads popcount(bits) values
+    values += __builtin_popcount(bits);
+  }
+  if (g < hi) {
+    const int64_t m = hi - g;
+    const unsigned bits = bitmap[g >> 3] | (m > 8 ? unsigned(bitmap[(g >> 3) + 1]) << 8 : 0u);
+    _mm512_mask_storeu_ps(out + g, __mmask16((1u << m) - 1), _mm512_maskz_expandloadu_ps(__mmask16(bits), values));
+  }
+}
+#endif
+
+// Set bits in bitmap bytes [lo, hi): 8 bytes per popcount where possible.
+inline int64_t popcount_bytes(const uint8_t* bitmap, int64_t lo, int64_t hi) {
+  int64_t c = 0, i = lo;
+  for (; i + 8 <= hi; i += 8) {
+    uint64_t w; std::memcpy(&w, bitmap + i, 8);
+    c += __builtin_popcountll(w);
+  }
+  for (; i < hi; ++i) c += __builtin_popcount(bitmap[i]);
+  return c;
+}
+
 template <typename T>
 void count_blocks_impl(const T* x, int64_t n, int64_t block, double threshold, int64_t* counts) {   // kept per block
   const auto keep = make_keep<T>(threshold);
@@ -65,6 +150,11 @@ void count_blocks_impl(const T* x, int64_t n, int64_t block, double threshold, i
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t lo = b * block, hi = std::min(n, lo + block);
+#ifdef EDGEFLUX_X86
+      if constexpr (std::is_same_v<T, float>) {
+        if (has_avx512()) { counts[b] = count_block_f32_avx512(x, lo, hi, threshold); continue; }
+      }
+#endif
       int64_t c = 0;
       for (int64_t i = lo; i < hi; ++i) c += keep(x[i]);
       counts[b] = c;
@@ -96,49 +186,6 @@ struct Tables {
 };
 const Tables kTables;
 
-#ifdef EDGEFLUX_X86
-// float32 -> float32 with AVX-512 (x86 CPUs that have it, detected at run time): vpcompressd
-// stores a 16-element group's kept values contiguously and vpexpandd restores them, so both
-// directions run at close to copy speed. The mask's bit j is element j, which is the bitmap's
-// bit order, so a 16-bit mask is two bitmap bytes. Pure bit moves: exact for NaN, -0.0, inf.
-bool has_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f");
-  return yes;
-}
-
-__attribute__((target("avx512f,popcnt")))
-void compress_block_f32_avx512(const float* x, int64_t lo, int64_t hi, double threshold, uint8_t* bitmap, float* out) {
-  const bool prune = threshold > 0;
-  const __m512 t = _mm512_set1_ps(static_cast<float>(threshold));
-  const __m512i abs_bits = _mm512_set1_epi32(0x7fffffff);
-  for (int64_t g = lo; g < hi; g += 16) {
-    const int64_t m = std::min<int64_t>(16, hi - g);
-    const __mmask16 valid = m == 16 ? __mmask16(0xFFFF) : __mmask16((1u << m) - 1);
-    const __m512 v = _mm512_maskz_loadu_ps(valid, x + g);
-    const __m512i bits = _mm512_castps_si512(v);
-    // threshold 0: any bit set (keeps -0.0); otherwise !(|x| < t), NaN kept (unordered -> true)
-    const __mmask16 keep = prune
-        ? _mm512_mask_cmp_ps_mask(valid, _mm512_castsi512_ps(_mm512_and_si512(bits, abs_bits)), t, _CMP_NLT_UQ)
-        : _mm512_mask_test_epi32_mask(valid, bits, bits);
-    _mm512_mask_compressstoreu_ps(out, keep, v);
-    out += __builtin_popcount(keep);
-    bitmap[g >> 3] = static_cast<uint8_t>(keep);
-    if (m > 8) bitmap[(g >> 3) + 1] = static_cast<uint8_t>(keep >> 8);
-  }
-}
-
-__attribute__((target("avx512f,popcnt")))
-void decompress_block_f32_avx512(const uint8_t* bitmap, const float* values, int64_t lo, int64_t hi, float* out) {
-  for (int64_t g = lo; g < hi; g += 16) {
-    const int64_t m = std::min<int64_t>(16, hi - g);
-    const unsigned bits = bitmap[g >> 3] | (m > 8 ? unsigned(bitmap[(g >> 3) + 1]) << 8 : 0u);
-    const __m512 v = _mm512_maskz_expandloadu_ps(__mmask16(bits), values);   // reads popcount(bits) values
-    values += __builtin_popcount(bits);
-    if (m == 16) _mm512_storeu_ps(out + g, v);
-    else _mm512_mask_storeu_ps(out + g, __mmask16((1u << m) - 1), v);
-  }
-}
-#endif
 
 template <typename S, typename D>
 void compress_impl(const S* x, int64_t n, int64_t block, double threshold, const int64_t* offsets,
@@ -185,10 +232,7 @@ void decompress_impl(const uint8_t* bitmap, const S* values, int64_t nnz, int64_
   std::vector<int64_t> offsets(nblocks + 1, 0);
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t lo = b * block / 8, hi = (std::min(n, (b + 1) * block) + 7) / 8;
-      int64_t c = 0;
-      for (int64_t i = lo; i < hi; ++i) c += __builtin_popcount(bitmap[i]);
-      offsets[b + 1] = c;
+      offsets[b + 1] = popcount_bytes(bitmap, b * block / 8, (std::min(n, (b + 1) * block) + 7) / 8);
     }
   });
   for (int64_t b = 0; b < nblocks; ++b) offsets[b + 1] += offsets[b];
@@ -310,14 +354,78 @@ void decompress_into(const Tensor& bitmap, const Tensor& values, int64_t block, 
   TORCH_CHECK(ok, "decompress_into: unsupported dtypes ", values.scalar_type(), " -> ", out.scalar_type());
 }
 
+#ifdef EDGEFLUX_X86
+// narrow_into<int16_t> with AVX-512: vpmovsqw saturates 8 int64 to int16; a value fits when
+// widening it back gives the original.
+__attribute__((target("avx512f")))
+bool narrow_block_i16_avx512(const int64_t* x, int64_t lo, int64_t hi, int16_t* out) {
+  __mmask8 bad = 0;
+  int64_t i = lo;
+  for (; i + 8 <= hi; i += 8) {
+    const __m512i v = _mm512_loadu_si512(x + i);
+    const __m128i n = _mm512_cvtsepi64_epi16(v);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), n);
+    bad |= _mm512_cmpneq_epi64_mask(_mm512_cvtepi16_epi64(n), v);
+  }
+  bool fit = bad == 0;
+  for (; i < hi; ++i) {
+    out[i] = static_cast<int16_t>(x[i]);
+    fit &= out[i] == x[i];
+  }
+  return fit;
+}
+#endif
+
+// Max-pool indices (int64) copied into a narrower integer type while checking that every value
+// fits: one pass instead of a min/max pass and a conversion pass. False when one does not fit.
+template <typename D> bool narrow_into(const int64_t* x, int64_t n, D* out) {
+  std::atomic<bool> all_fit{true};
+  at::parallel_for(0, n, 1 << 16, [&](int64_t lo, int64_t hi) {
+#ifdef EDGEFLUX_X86
+    if constexpr (std::is_same_v<D, int16_t>) {
+      if (has_avx512()) {
+        if (!narrow_block_i16_avx512(x, lo, hi, out)) all_fit = false;
+        return;
+      }
+    }
+#endif
+    bool fit = true;
+    for (int64_t i = lo; i < hi; ++i) {
+      const D v = static_cast<D>(x[i]);
+      out[i] = v;
+      fit &= static_cast<int64_t>(v) == x[i];
+    }
+    if (!fit) all_fit = false;
+  });
+  return all_fit;
+}
+
+// int64 `flat` as int16 when every value fits, else int32 when they fit, else an empty int64
+// tensor (the caller keeps the original).
+Tensor narrow_index(const Tensor& flat) {
+  check_flat(flat, "flat");
+  TORCH_CHECK(flat.scalar_type() == at::kLong, "narrow_index: int64 tensor expected, got ", flat.scalar_type());
+  const int64_t n = flat.numel();
+  const int64_t* x = flat.const_data_ptr<int64_t>();
+  {
+    Tensor out = at::empty({n}, flat.options().dtype(at::kShort));
+    if (narrow_into(x, n, out.mutable_data_ptr<int16_t>())) return out;
+  }
+  Tensor out = at::empty({n}, flat.options().dtype(at::kInt));
+  if (narrow_into(x, n, out.mutable_data_ptr<int32_t>())) return out;
+  return at::empty({0}, flat.options());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(edgeflux_bitmap, m) {
   m.def("compress(Tensor flat, float threshold, ScalarType? store_dtype, int max_bytes, int block) -> (Tensor, Tensor, int)");
   m.def("decompress_into(Tensor bitmap, Tensor values, int block, Tensor(a!) out) -> ()");
+  m.def("narrow_index(Tensor flat) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(edgeflux_bitmap, CPU, m) {
   m.impl("compress", compress);
   m.impl("decompress_into", decompress_into);
+  m.impl("narrow_index", narrow_index);
 }

@@ -25,9 +25,9 @@ all fit int16 (or int32) is stored in that dtype and widened back in backward: e
 smaller. It is not a bitmap (indices are not sparse), and is reported apart (``index_*`` stats).
 
 A tensor saved by several operations (a ReLU output that the next conv and a max-pool also save)
-is compressed once: packs are deduplicated by tensor identity (a WeakTensorKeyDictionary, so a
-freed tensor whose address is reused can never alias) and version (an in-place change after the
-first save makes a new entry).
+is compressed once: packs are deduplicated by tensor identity (id() checked through a weak
+reference, so a freed tensor whose id is reused can never alias) and version (an in-place change
+after the first save makes a new entry).
 
 Exactness: with ``threshold=0`` and no ``store_dtype`` a restored tensor has the same bits, shape,
 dtype and strides as the saved one, so gradients are bit-identical to plain training.
@@ -56,11 +56,11 @@ from typing import Any, Iterable
 
 import torch
 from torch import Tensor
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from edgeflux.memory import (OUTSIDE_UNITS, SavedTensorModifiedError, UnitsArg, UnitTracker, check_saved_version,
                              resolve_units)
 
+from . import kernel
 from .bitmap import BitmapTensor, _dense_in_memory, _flat, compress_if_smaller, count_kept
 
 log = logging.getLogger(__name__)
@@ -146,30 +146,49 @@ class _Narrowed:
 
     Narrowing is deferred to the next pack (or the end of the block): at the moment max-pool saves
     its indices, its input (the dense activation) is still alive, and the narrow copy would add to
-    the forward's peak there; one operation later that input is gone. After the first unpack only
-    the widened tensor is kept (see _Packed).
+    the forward's peak there; one operation later that input is gone. The dtype is decided then too
+    (one pass on CPU: the kernel's narrow_index converts and checks the range together); a tensor
+    whose values fit neither int16 nor int32 stays int64. After the first unpack only the widened
+    tensor is kept (see _Packed).
     """
 
-    __slots__ = ("data", "dtype", "shape", "stride", "source", "version", "_restored", "__weakref__")
+    __slots__ = ("data", "shape", "stride", "source", "version", "stats", "_restored", "__weakref__")
 
-    def __init__(self, flat: Tensor, dtype: torch.dtype, t: Tensor, stride: tuple[int, ...]) -> None:
-        self.data = flat                 # int64 until narrow(), then dtype, then int64 again once unpacked
-        self.dtype, self.shape, self.stride = dtype, t.shape, stride
+    def __init__(self, flat: Tensor, t: Tensor, stride: tuple[int, ...], stats: UnitStats) -> None:
+        self.data = flat                 # int64 until narrow(), then int16/int32, then int64 again once unpacked
+        self.shape, self.stride, self.stats = t.shape, stride, stats
         self.source = weakref.ref(t)
         self.version = t._version
         self._restored = False
 
     def narrow(self) -> None:
-        if self.data.dtype == torch.int64 and not self._restored:
-            self.data = self.data.to(self.dtype)
+        if self.data.dtype != torch.int64 or self._restored:
+            return
+        flat = self.data
+        if kernel.usable_for_indices(flat):
+            narrow = kernel.narrow_index(flat)
+            if narrow.numel() != flat.numel():
+                return                   # some value needs int64
+        else:
+            dtype = narrow_index_dtype(flat)
+            if dtype is None:
+                return
+            narrow = flat.to(dtype)
+        self.data = narrow
+        self.stats.narrowed += 1
+        self.stats.index_dense_bytes += flat.numel() * 8
+        self.stats.index_stored_bytes += narrow.numel() * narrow.element_size()
 
     def unpack(self) -> Tensor:
         src = self.source()
         if src is not None:
             check_saved_version(src, self.version)
         if not self._restored:
-            out = torch.empty_strided(self.shape, self.stride, dtype=torch.int64, device=self.data.device)
-            out.as_strided((out.numel(),), (1,)).copy_(self.data)
+            if self.data.dtype == torch.int64:        # not narrowed (a value needs int64): the original memory
+                out = self.data.as_strided(self.shape, self.stride)
+            else:
+                out = torch.empty_strided(self.shape, self.stride, dtype=torch.int64, device=self.data.device)
+                out.as_strided((out.numel(),), (1,)).copy_(self.data)
             self.data, self._restored = out, True
         return self.data
 
@@ -218,10 +237,9 @@ class _Packed:
         src = self.source()
         if src is not None:
             check_saved_version(src, self.version)
-        if not self.restored:
+        if not self.restored:     # (no grad mode needed: the stored data never requires grad)
             d = self.data
-            with torch.no_grad():
-                self.data = d.decompress() if isinstance(d, BitmapTensor) else d.to(self.dtype)
+            self.data = d.decompress() if isinstance(d, BitmapTensor) else d.to(self.dtype)
         return self.data
 
 
@@ -262,7 +280,9 @@ class CompressedActivations:
         self.stats.setdefault(OUTSIDE_UNITS, UnitStats())
         self.not_activations = 0     # packs returned as is: parameters, buffers, indices, ...
         self._to_narrow: list[_Narrowed] = []   # index holders to narrow at the next pack
-        self._seen: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        # id(tensor) -> (weakref to it, its version, weakref to its holder): the weakref makes a
+        # reused id (a freed tensor's) a miss; cleared when the block ends
+        self._seen: dict[int, tuple[Any, int, Any]] = {}
         self._tracker: UnitTracker | None = None
         self._hooks: Any = None
         self._dm: Any = None
@@ -291,50 +311,54 @@ class CompressedActivations:
                 self._dm.__exit__(*exc)
                 self._dm = None
             self._tracker.__exit__(*exc)
-            self._seen = WeakTensorKeyDictionary()
+            self._seen = {}
             with torch.no_grad():
                 self._narrow_pending()
 
     # -- pack
     def is_activation(self, t: Tensor) -> bool:
         """True for tensors this context may compress (see the module docstring)."""
-        if type(t) is not Tensor or not t.is_floating_point() or t.layout != torch.strided or t.device.type == "meta":
+        if type(t) is not Tensor or not t.is_floating_point() or t.layout is not torch.strided or t.is_meta:
             return False     # Parameters, subclasses, integer/bool tensors, sparse, meta
         base = t._base if t._base is not None else t
         if base.is_leaf and base.requires_grad:
             return False     # a parameter (or a leaf input that requires grad), or a view of one
-        return not (t.numel() > 0 and t.untyped_storage().data_ptr() in self._excluded)
+        # the storage's address, without making a storage object (this runs for every saved tensor)
+        return not (t.numel() > 0 and t.data_ptr() - t.storage_offset() * t.element_size() in self._excluded)
 
     def unit_stats(self) -> UnitStats:
         """Stats of the unit whose forward is running now."""
         name = self._tracker.current if self._tracker is not None else OUTSIDE_UNITS
-        return self.stats.setdefault(name, UnitStats())
+        stats = self.stats.get(name)
+        return stats if stats is not None else self.stats.setdefault(name, UnitStats())
 
     def _pack(self, t: Tensor) -> Any:
-        with torch.no_grad():
-            if self._to_narrow:
-                self._narrow_pending()
-            if not self.is_activation(t):
-                self.not_activations += 1
-                if self.narrow_indices and t.dtype == torch.int64:
-                    return self.store_index(t)
-                return _Kept(t)
-            stats = self.unit_stats()
-            stats.packs += 1
-            entry = self._seen.get(t)
-            if entry is not None and entry[0] == t._version:
-                holder = entry[1]()
-                if holder is not None:
-                    return holder
-            if self._dm is not None:
+        # no grad mode needed: everything below works on detached tensors (t.detach() first)
+        if self._to_narrow:
+            self._narrow_pending()
+        if not self.is_activation(t):
+            self.not_activations += 1
+            if self.narrow_indices and t.dtype == torch.int64:
+                return self.store_index(t)
+            return _Kept(t)
+        stats = self.unit_stats()
+        stats.packs += 1
+        entry = self._seen.get(id(t))
+        if entry is not None and entry[0]() is t and entry[1] == t._version:
+            holder = entry[2]()
+            if holder is not None:
+                return holder
+        if self._dm is not None:
+            with torch.no_grad():
                 special = self._dm.pack(t, stats)
-                if special is not None:
-                    return special
-            holder = self.store(t, stats)
-            self._seen[t] = (t._version, weakref.ref(holder))
-            if self._dm is not None:
+            if special is not None:
+                return special
+        holder = self.store(t, stats)
+        self._seen[id(t)] = (weakref.ref(t), t._version, weakref.ref(holder))
+        if self._dm is not None:
+            with torch.no_grad():
                 self._dm.stored(t, holder)
-            return holder
+        return holder
 
     def store(self, t: Tensor, stats: UnitStats) -> _Kept | _Packed:
         """Store activation t (no deduplication): bitmap, store_dtype copy, or as is; update stats."""
@@ -382,16 +406,9 @@ class CompressedActivations:
         if (dense < self.min_bytes or type(t) is not Tensor or t.layout != torch.strided or t.requires_grad
                 or not _owns_exactly(d)):
             return _Kept(t)
-        dtype = narrow_index_dtype(d)
-        if dtype is None:
-            return _Kept(t)
         flat, stride = _flat(d)
-        holder = _Narrowed(flat, dtype, t, stride)
+        holder = _Narrowed(flat, t, stride, self.unit_stats())
         self._to_narrow.append(holder)
-        stats = self.unit_stats()
-        stats.narrowed += 1
-        stats.index_dense_bytes += dense
-        stats.index_stored_bytes += d.numel() * dtype.itemsize
         return holder
 
     def _narrow_pending(self) -> None:
@@ -421,7 +438,7 @@ class CompressedActivations:
 
 def _owns_exactly(t: Tensor) -> bool:
     """t fills its whole storage, gap-free: compressing it lets that memory go."""
-    return (t.storage_offset() == 0 and _dense_in_memory(t)
+    return (t.storage_offset() == 0 and (t.is_contiguous() or _dense_in_memory(t))
             and t.untyped_storage().nbytes() == t.numel() * t.element_size())
 
 

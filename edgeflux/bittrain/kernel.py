@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("bitmap_kernel.cpp")
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-_state: dict[str, object] = {}
+_loaded: bool | None = None      # None until the first call to available(); then whether the ops are loaded
 _lock = threading.Lock()
 _disabled = threading.local()
 
@@ -52,21 +53,27 @@ def disabled() -> Iterator[None]:
 
 
 def available() -> bool:
-    """True when the compiled ops are loaded (building them on the first call)."""
-    if getattr(_disabled, "on", False) or not enabled_by_env():
-        return False
-    if "ok" not in _state:
+    """True when the compiled ops are loaded (building them on the first call) and not switched off.
+
+    EDGEFLUX_BITTRAIN_KERNEL is read once, at that first call; this runs for every saved tensor, so
+    it is kept to a flag and a thread-local lookup.
+    """
+    global _loaded
+    if _loaded is None:
         with _lock:
-            if "ok" not in _state:
-                _state["ok"] = _build()
-    return bool(_state["ok"])
+            if _loaded is None:
+                _loaded = enabled_by_env() and _build()
+    return _loaded and not getattr(_disabled, "on", False)
 
 
 def _build() -> bool:
     try:
         from torch.utils.cpp_extension import load
         log.info("building the BitTrain bitmap kernel (first use on this machine; cached afterwards)")
-        load(name="edgeflux_bitmap", sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
+        # -mpopcnt: every x86-64 CPU since 2008 counts bits in one instruction; without the flag
+        # __builtin_popcount is a library call (the bitmap's offsets are counted per block)
+        popcnt = ["-mpopcnt"] if platform.machine().lower() in ("x86_64", "amd64") else []
+        load(name="edgeflux_bitmap", sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *popcnt],
              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         torch.ops.edgeflux_bitmap.compress   # noqa: B018 - raises if the library did not register
         return True
@@ -79,7 +86,12 @@ def _build() -> bool:
 
 def usable(flat: torch.Tensor) -> bool:
     """The compiled ops handle this tensor (contiguous 1-D, CPU, float; stored values may be any float dtype)."""
-    return flat.device.type == "cpu" and flat.dtype in FLOAT_DTYPES and flat.is_contiguous() and available()
+    return flat.is_cpu and flat.dtype in FLOAT_DTYPES and flat.is_contiguous() and available()
+
+
+def usable_for_indices(flat: torch.Tensor) -> bool:
+    """narrow_index handles this tensor (contiguous 1-D int64 on CPU)."""
+    return flat.is_cpu and flat.dtype == torch.int64 and flat.is_contiguous() and available()
 
 
 def compress(flat: torch.Tensor, threshold: float, store_dtype: torch.dtype | None, max_bytes: int,
@@ -88,5 +100,15 @@ def compress(flat: torch.Tensor, threshold: float, store_dtype: torch.dtype | No
     return torch.ops.edgeflux_bitmap.compress(flat, float(threshold), store_dtype, max_bytes, block)
 
 
+def count(flat: torch.Tensor, threshold: float, block: int) -> int:
+    """Elements of 1-D ``flat`` a bitmap keeps (compress's counting pass alone: max_bytes 0 allocates nothing)."""
+    return torch.ops.edgeflux_bitmap.compress(flat, float(threshold), None, 0, block)[2]
+
+
 def decompress_into(bitmap: torch.Tensor, values: torch.Tensor, block: int, out: torch.Tensor) -> None:
     torch.ops.edgeflux_bitmap.decompress_into(bitmap, values, block, out)
+
+
+def narrow_index(flat: torch.Tensor) -> torch.Tensor:
+    """int64 1-D CPU ``flat`` copied as int16 (or int32) when all its values fit; an empty tensor when none does."""
+    return torch.ops.edgeflux_bitmap.narrow_index(flat)
