@@ -274,8 +274,10 @@ class CompressedActivations:
         self.unit_pairs, self._modules = resolve_units(units)
         # Parameters and buffers of the units (and `exclude`): recognised by storage address,
         # pinned so that the addresses stay theirs while this object lives.
-        self._pinned = [t for m in self._modules for t in (*m.parameters(), *m.buffers())] + list(exclude)
-        self._excluded = {t.untyped_storage().data_ptr() for t in self._pinned if t.numel() > 0}
+        # (one walk over the modules: this runs once per training step)
+        self._pinned = [t for m in self._modules for mod in m.modules()
+                        for t in (*mod._parameters.values(), *mod._buffers.values()) if t is not None] + list(exclude)
+        self._excluded = {t.data_ptr() - t.storage_offset() * t.element_size() for t in self._pinned if t.numel() > 0}
         self.stats: dict[str, UnitStats] = {name: UnitStats() for name, _ in self.unit_pairs}
         self.stats.setdefault(OUTSIDE_UNITS, UnitStats())
         self.not_activations = 0     # packs returned as is: parameters, buffers, indices, ...
