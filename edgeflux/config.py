@@ -116,6 +116,7 @@ class BitTrainParams(_Section):
     store_dtype: Literal["float16", "bfloat16", "float32", "float64"] | None = None   # non-zero values' dtype
     double_mask: bool = False             # BatchNorm/activation mask propagation (edgeflux.bittrain.doublemask)
     narrow_indices: bool = True           # int64 max-pool indices held as int16/int32 when they fit (exact)
+    activation_masks: bool = True         # in-place ReLU6/Hardtanh input copies held as 1-bit masks (exact)
 
     @property
     def exact(self) -> bool:
@@ -133,7 +134,7 @@ class BitTrainParams(_Section):
 
         return compressed_activations(threshold=self.threshold, min_bytes=self.min_bytes,
                                       store_dtype=self.store_dtype, double_mask=self.double_mask, units=units,
-                                      narrow_indices=self.narrow_indices)
+                                      narrow_indices=self.narrow_indices, activation_masks=self.activation_masks)
 
     def to_dict(self) -> dict:
         return self.model_dump()

@@ -264,6 +264,23 @@ def test_gradients_bit_identical(fmnist, name, kw, bitmap_path):
     total = ca.summary()["total"]
     assert total["compressed"] > 0 and total["stored_bytes"] < total["dense_bytes"]
     assert set(ca.summary()["units"]) == set(model.unit_names) | {OUTSIDE_UNITS}
+    # MobileNetV2's in-place ReLU6 input copies are held as 1-bit masks (activation_masks, on by default)
+    assert (total["mask_only"] > 0) == (name == "mobilenet_v2")
+
+
+def test_activation_masks_hold_relu6_input_copies_as_one_bit(fmnist, bitmap_path):
+    """Each in-place ReLU6's saved input copy: n/8 bytes instead of 4n (it is dense, so a bitmap
+    would not shrink it); gradients stay bit-identical (checked above); off, the copies stay dense."""
+    torch.manual_seed(0)
+    model = build_model("mobilenet_v2", width=0.25)
+    x, y = fmnist[0][:4], fmnist[1][:4]
+    a, b = copy.deepcopy(model), copy.deepcopy(model)
+    on = _train_step(a, x, y, compressed_activations(units=a)).total()
+    off = _train_step(b, x, y, compressed_activations(units=b, activation_masks=False)).total()
+    relu6 = sum(isinstance(m, nn.ReLU6) and m.inplace for m in model.modules())
+    assert on.mask_only == relu6 > 0 and off.mask_only == 0
+    assert on.dense_bytes == off.dense_bytes
+    assert off.stored_bytes - on.stored_bytes > 0.25 * off.stored_bytes
 
 
 def test_parameters_views_and_indices_never_reach_storage(fmnist):
@@ -533,7 +550,7 @@ def test_options_context_and_step_context(fmnist):
     assert math.isfinite(loss)
     summary = compressed_activations(units=model).summary()
     assert summary["options"] == {"threshold": 0.0, "min_bytes": 4096, "narrow_indices": True, "store_dtype": None,
-                                  "double_mask": False}
+                                  "double_mask": False, "activation_masks": True}
     assert isinstance(summary["total"], dict) and list(summary["units"])[:2] == ["stem", "block1.0"]
 
 

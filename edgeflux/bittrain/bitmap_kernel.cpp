@@ -376,6 +376,108 @@ bool narrow_block_i16_avx512(const int64_t* x, int64_t lo, int64_t hi, int16_t* 
 }
 #endif
 
+#ifdef EDGEFLUX_X86
+// range_mask / fill_from_mask for float32 with AVX-512, 16 elements (two bitmap bytes) at a time;
+// the ragged end goes to the scalar loops. Ordered comparisons: NaN is never inside.
+__attribute__((target("avx512f")))
+int64_t range_mask_f32_avx512(const float* x, int64_t n, float lo, float hi, bool bounded, uint8_t* bitmap) {
+  const __m512 vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi);
+  int64_t g = 0;
+  for (; g + 16 <= n; g += 16) {
+    const __m512 v = _mm512_loadu_ps(x + g);
+    __mmask16 in = _mm512_cmp_ps_mask(v, vlo, _CMP_GT_OQ);
+    if (bounded) in &= _mm512_cmp_ps_mask(v, vhi, _CMP_LT_OQ);
+    const uint16_t two_bytes = in;
+    std::memcpy(bitmap + (g >> 3), &two_bytes, 2);
+  }
+  return g;
+}
+
+__attribute__((target("avx512f")))
+int64_t fill_from_mask_f32_avx512(const uint8_t* bitmap, int64_t n, float inside, float outside, float* out) {
+  const __m512 vin = _mm512_set1_ps(inside), voff = _mm512_set1_ps(outside);
+  int64_t g = 0;
+  for (; g + 16 <= n; g += 16) {
+    uint16_t bits; std::memcpy(&bits, bitmap + (g >> 3), 2);
+    _mm512_storeu_ps(out + g, _mm512_mask_blend_ps(__mmask16(bits), voff, vin));
+  }
+  return g;
+}
+#endif
+
+// An activation's pass mask (bit i = lo < x[i] < hi; hi = inf: no upper bound; NaN: 0), the
+// 1-bit form in which a ReLU6/Hardtanh input copy is kept (doublemask.py, rule 1). The bounds are
+// rounded to the tensor's dtype first, as torch.gt(tensor, python_scalar) does.
+template <typename T> void range_mask_impl(const T* x, int64_t n, double lo_d, double hi_d, uint8_t* bitmap) {
+  const opmath_t<T> lo = static_cast<opmath_t<T>>(static_cast<T>(lo_d));
+  const bool bounded = !std::isinf(hi_d);
+  const opmath_t<T> hi = bounded ? static_cast<opmath_t<T>>(static_cast<T>(hi_d)) : opmath_t<T>(0);
+  at::parallel_for(0, (n + 7) / 8, 1 << 13, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t g = b * 8, m = std::min<int64_t>(8, n - g);
+      unsigned byte = 0;
+      for (int j = 0; j < m; ++j) {
+        const opmath_t<T> v = static_cast<opmath_t<T>>(x[g + j]);
+        byte |= static_cast<unsigned>(v > lo && (!bounded || v < hi)) << j;
+      }
+      bitmap[b] = static_cast<uint8_t>(byte);
+    }
+  });
+}
+
+// out[i] = inside where bit i is set, else outside.
+template <typename T> void fill_from_mask_impl(const uint8_t* bitmap, int64_t n, double inside, double outside, T* out) {
+  const T in = static_cast<T>(inside), off = static_cast<T>(outside);
+  at::parallel_for(0, (n + 7) / 8, 1 << 13, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const unsigned byte = bitmap[b];
+      const int64_t g = b * 8, m = std::min<int64_t>(8, n - g);
+      for (int j = 0; j < m; ++j) out[g + j] = ((byte >> j) & 1u) ? in : off;
+    }
+  });
+}
+
+Tensor range_mask(const Tensor& flat, double lo, double hi) {
+  check_flat(flat, "flat");
+  const int64_t n = flat.numel();
+  Tensor bitmap = at::empty({(n + 7) / 8}, flat.options().dtype(at::kByte));
+  const bool ok = with_float_type(flat.scalar_type(), [&](auto s) {
+    using T = decltype(s);
+    const T* x = flat.const_data_ptr<T>();
+    uint8_t* bits = bitmap.mutable_data_ptr<uint8_t>();
+    int64_t done = 0;                                  // a multiple of 16 (vector loop), the rest below
+#ifdef EDGEFLUX_X86
+    if constexpr (std::is_same_v<T, float>) {
+      if (has_avx512()) done = range_mask_f32_avx512(x, n, static_cast<float>(lo), static_cast<float>(hi),
+                                                     !std::isinf(hi), bits);
+    }
+#endif
+    range_mask_impl<T>(x + done, n - done, lo, hi, bits + done / 8);
+  });
+  TORCH_CHECK(ok, "range_mask: unsupported dtype ", flat.scalar_type());
+  return bitmap;
+}
+
+void fill_from_mask(const Tensor& bitmap, double inside, double outside, const Tensor& out) {
+  check_flat(bitmap, "bitmap"); check_flat(out, "out");
+  const int64_t n = out.numel();
+  TORCH_CHECK(bitmap.scalar_type() == at::kByte && bitmap.numel() == (n + 7) / 8, "bitmap: ceil(n/8) uint8");
+  const bool ok = with_float_type(out.scalar_type(), [&](auto s) {
+    using T = decltype(s);
+    const uint8_t* bits = bitmap.const_data_ptr<uint8_t>();
+    T* o = out.mutable_data_ptr<T>();
+    int64_t done = 0;
+#ifdef EDGEFLUX_X86
+    if constexpr (std::is_same_v<T, float>) {
+      if (has_avx512()) done = fill_from_mask_f32_avx512(bits, n, static_cast<float>(inside),
+                                                        static_cast<float>(outside), o);
+    }
+#endif
+    fill_from_mask_impl<T>(bits + done / 8, n - done, inside, outside, o + done);
+  });
+  TORCH_CHECK(ok, "fill_from_mask: unsupported dtype ", out.scalar_type());
+}
+
 // Max-pool indices (int64) copied into a narrower integer type while checking that every value
 // fits: one pass instead of a min/max pass and a conversion pass. False when one does not fit.
 template <typename D> bool narrow_into(const int64_t* x, int64_t n, D* out) {
@@ -422,10 +524,14 @@ TORCH_LIBRARY(edgeflux_bitmap, m) {
   m.def("compress(Tensor flat, float threshold, ScalarType? store_dtype, int max_bytes, int block) -> (Tensor, Tensor, int)");
   m.def("decompress_into(Tensor bitmap, Tensor values, int block, Tensor(a!) out) -> ()");
   m.def("narrow_index(Tensor flat) -> Tensor");
+  m.def("range_mask(Tensor flat, float lo, float hi) -> Tensor");
+  m.def("fill_from_mask(Tensor bitmap, float inside, float outside, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(edgeflux_bitmap, CPU, m) {
   m.impl("compress", compress);
   m.impl("decompress_into", decompress_into);
   m.impl("narrow_index", narrow_index);
+  m.impl("range_mask", range_mask);
+  m.impl("fill_from_mask", fill_from_mask);
 }

@@ -55,7 +55,8 @@ from torch import Tensor, nn
 
 from edgeflux.memory import check_saved_version
 
-from .bitmap import _flat, _pack, _unpack
+from . import kernel
+from .bitmap import _flat, _pack, _unpack, count_kept
 from .hooks import UnitStats, _Kept, _Packed
 
 if TYPE_CHECKING:
@@ -110,16 +111,19 @@ class _MaskOnly:
         c, self.pending = self.pending, None
         n = c.numel()
         flat, self.stride = _flat(c)
-        padded = torch.zeros(math.ceil(n / 8) * 8, dtype=torch.bool, device=c.device)
-        padded[:n] = _passes(flat, self.lo, self.hi)
-        self.bitmap = _pack(padded)
+        if kernel.usable(flat):
+            self.bitmap = kernel.range_mask(flat, self.lo, self.hi)
+        else:
+            padded = torch.zeros(math.ceil(n / 8) * 8, dtype=torch.bool, device=c.device)
+            padded[:n] = _passes(flat, self.lo, self.hi)
+            self.bitmap = _pack(padded)
         s = self.stats
         s.tensors += 1
         s.mask_only += 1
         s.numel += n
         s.dense_bytes += n * c.element_size()
         s.stored_bytes += self.bitmap.numel()
-        nnz = int(torch.count_nonzero(flat))        # of the pre-activation, for the theoretical column
+        nnz = count_kept(flat)                      # of the pre-activation, for the theoretical column
         s.nnz += nnz
         vsize = self.ctx.store_dtype.itemsize if self.ctx.store_dtype else c.element_size()
         s.theoretical_bytes += vsize * nnz + math.ceil(n / 8)
@@ -137,8 +141,11 @@ class _MaskOnly:
         out = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.bitmap.device)
         flat = out.as_strided((n,), (1,))
         mid = (self.lo + self.hi) / 2 if self.hi != math.inf else self.lo + 1.0
-        flat.fill_(self.lo)
-        flat.masked_fill_(_unpack(self.bitmap, n), mid)
+        if kernel.usable(flat):
+            kernel.fill_from_mask(self.bitmap, mid, self.lo, flat)
+        else:
+            flat.fill_(self.lo)
+            flat.masked_fill_(_unpack(self.bitmap, n), mid)
         return out
 
 
@@ -264,10 +271,11 @@ class _BNInput:
 class DoubleMask:
     """Module hooks on the BatchNorm and in-place Hardtanh modules of the units, and the pairing."""
 
-    def __init__(self, ctx: CompressedActivations, modules: list[nn.Module]) -> None:
+    def __init__(self, ctx: CompressedActivations, modules: list[nn.Module], bn_rules: bool = True) -> None:
+        """bn_rules: rules 2 and 3 (BatchNorm inputs) besides rule 1; False: rule 1 alone (exact)."""
         self.ctx = ctx
         subs = {id(s): s for m in modules for s in m.modules()}.values()
-        self.bns = [s for s in subs if isinstance(s, nn.modules.batchnorm._BatchNorm)]
+        self.bns = [s for s in subs if isinstance(s, nn.modules.batchnorm._BatchNorm)] if bn_rules else []
         self.acts = [s for s in subs if isinstance(s, nn.Hardtanh) and s.inplace]
         self._handles: list[Any] = []
         self._bn_call: tuple[nn.Module, Tensor] | None = None

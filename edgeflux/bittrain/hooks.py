@@ -39,8 +39,13 @@ Safety: saved-tensor hooks switch off autograd's own check that a saved tensor w
 in place before backward (identity hooks included); ``unpack`` performs that check itself and
 raises SavedTensorModifiedError, as plain autograd would.
 
-``double_mask=True`` adds the mask-propagation rules of edgeflux.bittrain.doublemask (paper
-Section 3.1); see there for which are exact and which are approximate.
+Activation masks (``activation_masks=True``, the default; needs ``units``): an in-place ReLU6 or
+Hardtanh makes autograd save a copy of its input, which its backward reads only as lo < x < hi;
+that copy is held as a 1-bit mask (rule 1 of edgeflux.bittrain.doublemask, exact). In MobileNetV2
+these copies are a third of the saved bytes, all non-zero, so a bitmap could not shrink them.
+
+``double_mask=True`` adds the BatchNorm rules of edgeflux.bittrain.doublemask (paper Section 3.1);
+see there for which are exact and which are approximate.
 
 Nesting: torch.utils.checkpoint(use_reentrant=False) installs its own hooks inside a checkpointed
 region (innermost hooks win), so nothing is saved there and nothing is compressed; the
@@ -261,7 +266,7 @@ class CompressedActivations:
 
     def __init__(self, threshold: float = 0.0, min_bytes: int = 4096, store_dtype: str | torch.dtype | None = None,
                  double_mask: bool = False, units: UnitsArg = None, exclude: Iterable[Tensor] = (),
-                 narrow_indices: bool = True) -> None:
+                 narrow_indices: bool = True, activation_masks: bool = True) -> None:
         if not (isinstance(threshold, (int, float)) and threshold >= 0 and math.isfinite(threshold)):
             raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
         if not (isinstance(min_bytes, int) and min_bytes >= 0):
@@ -271,6 +276,7 @@ class CompressedActivations:
         self.store_dtype = resolve_store_dtype(store_dtype)
         self.double_mask = bool(double_mask)
         self.narrow_indices = bool(narrow_indices)
+        self.activation_masks = bool(activation_masks)
         self.unit_pairs, self._modules = resolve_units(units)
         # Parameters and buffers of the units (and `exclude`): recognised by storage address,
         # pinned so that the addresses stay theirs while this object lives.
@@ -297,9 +303,11 @@ class CompressedActivations:
         if self._hooks is not None:
             raise RuntimeError("this compressed_activations context is already active; make a new one to nest")
         self._tracker = UnitTracker(self.unit_pairs).__enter__()
-        if self.double_mask and self._modules:
+        if (self.double_mask or self.activation_masks) and self._modules:
             from .doublemask import DoubleMask   # local: doublemask imports this module
-            self._dm = DoubleMask(self, self._modules).__enter__()
+            dm = DoubleMask(self, self._modules, bn_rules=self.double_mask)
+            if dm.bns or dm.acts:                # (no module of interest: no per-tensor checks at all)
+                self._dm = dm.__enter__()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack_saved)
         self._hooks.__enter__()
         return self
@@ -431,7 +439,7 @@ class CompressedActivations:
         return {
             "options": {"threshold": self.threshold, "min_bytes": self.min_bytes, "narrow_indices": self.narrow_indices,
                         "store_dtype": str(self.store_dtype).removeprefix("torch.") if self.store_dtype else None,
-                        "double_mask": self.double_mask},
+                        "double_mask": self.double_mask, "activation_masks": self.activation_masks},
             "total": self.total().to_dict(),
             "units": {name: s.to_dict() for name, s in self.stats.items()},
             "not_activations": self.not_activations,
@@ -446,7 +454,8 @@ def _owns_exactly(t: Tensor) -> bool:
 
 def compressed_activations(threshold: float = 0.0, min_bytes: int = 4096, store_dtype: str | torch.dtype | None = None,
                            double_mask: bool = False, units: UnitsArg = None,
-                           exclude: Iterable[Tensor] = (), narrow_indices: bool = True) -> CompressedActivations:
+                           exclude: Iterable[Tensor] = (), narrow_indices: bool = True,
+                           activation_masks: bool = True) -> CompressedActivations:
     """Store the activations autograd saves inside the ``with`` block as sparse bitmaps.
 
     threshold: 0 = exact (bit-identical gradients); > 0 prunes |x| < threshold (approximate).
@@ -457,6 +466,9 @@ def compressed_activations(threshold: float = 0.0, min_bytes: int = 4096, store_
     or (name, module) pairs; None attributes everything to "(outside units)".
     exclude: more tensors never to compress (e.g. a batch the caller keeps anyway).
     narrow_indices: store int64 index tensors (max-pool indices) as int16/int32 when they fit (exact).
+    activation_masks: the input copy an in-place ReLU6/Hardtanh saves is held as its 1-bit pass mask
+    (exact: its backward reads nothing else; rule 1 of edgeflux.bittrain.doublemask). Needs units.
     """
     return CompressedActivations(threshold=threshold, min_bytes=min_bytes, store_dtype=store_dtype,
-                                 double_mask=double_mask, units=units, exclude=exclude, narrow_indices=narrow_indices)
+                                 double_mask=double_mask, units=units, exclude=exclude, narrow_indices=narrow_indices,
+                                 activation_masks=activation_masks)

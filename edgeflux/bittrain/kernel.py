@@ -112,3 +112,13 @@ def decompress_into(bitmap: torch.Tensor, values: torch.Tensor, block: int, out:
 def narrow_index(flat: torch.Tensor) -> torch.Tensor:
     """int64 1-D CPU ``flat`` copied as int16 (or int32) when all its values fit; an empty tensor when none does."""
     return torch.ops.edgeflux_bitmap.narrow_index(flat)
+
+
+def range_mask(flat: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    """uint8 bitmap of lo < x < hi over 1-D ``flat`` (hi = inf: no upper bound; NaN: not inside)."""
+    return torch.ops.edgeflux_bitmap.range_mask(flat, float(lo), float(hi))
+
+
+def fill_from_mask(bitmap: torch.Tensor, inside: float, outside: float, out: torch.Tensor) -> None:
+    """out[i] = inside where bit i of ``bitmap`` is set, else outside (1-D ``out``)."""
+    torch.ops.edgeflux_bitmap.fill_from_mask(bitmap, float(inside), float(outside), out)
