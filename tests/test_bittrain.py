@@ -17,7 +17,7 @@ from edgeflux.bittrain import (BitmapTensor, BitTrainOptions, CompressedActivati
                                SavedTensorModifiedError, compress, compressed_activations, theoretical_bytes)
 from edgeflux.bittrain.doublemask import DoubleMaskError
 from edgeflux.bittrain import kernel
-from edgeflux.bittrain.bitmap import MAX_CHUNK, _chunk
+from edgeflux.bittrain.bitmap import MAX_CHUNK, _chunk, _pack
 from edgeflux.bittrain.hooks import _Kept, _Narrowed, _Packed
 from edgeflux.memory import OUTSIDE_UNITS, measure_step, track_live_tensors, training_step_fn
 from edgeflux.models import build_model
@@ -171,6 +171,29 @@ def test_kernel_narrow_index_picks_the_smallest_integer_type_that_holds_every_va
             assert out.numel() == 0
         else:
             assert out.dtype == dtype and torch.equal(out.long(), x), extreme
+
+
+@pytest.mark.skipif(not kernel.available(), reason="the C++ bitmap kernel could not be built here")
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_kernel_activation_mask_matches_torch(dtype):
+    """range_mask: bit i = lo < x < hi (NaN never inside, hi = inf unbounded) in the bitmap layout, and
+    the count of non-zero bit patterns; fill_from_mask restores inside/outside values from it."""
+    g = torch.Generator().manual_seed(4)
+    for n in (1, 7, 8, 15, 16, 17, 100, 1001, 70_000):
+        x = (torch.randn(n, generator=g) * 5).to(dtype)
+        if n > 6:
+            x[1], x[2], x[3], x[4], x[5] = float("nan"), 6.0, 0.0, float("inf"), -0.0
+        for lo, hi in ((0.0, 6.0), (0.0, math.inf), (-1.0, 1.0)):
+            inside = (x > lo) & (x < hi) if hi != math.inf else x > lo
+            padded = torch.zeros(math.ceil(n / 8) * 8, dtype=torch.bool)
+            padded[:n] = inside
+            bitmap, nonzero = kernel.range_mask(x, lo, hi)
+            assert torch.equal(bitmap, _pack(padded)), (n, lo, hi)
+            assert nonzero == int(torch.count_nonzero(x.view(torch.int16 if x.element_size() == 2 else
+                                                             torch.int32 if x.element_size() == 4 else torch.int64)))
+            out = torch.empty(n, dtype=dtype)
+            kernel.fill_from_mask(bitmap, 3.0, lo, out)
+            assert torch.equal(out, torch.where(inside, 3.0, lo).to(dtype)), (n, lo, hi)
 
 
 def test_bitmap_layout_every_byte_pattern(bitmap_path):

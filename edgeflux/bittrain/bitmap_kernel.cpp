@@ -380,16 +380,20 @@ bool narrow_block_i16_avx512(const int64_t* x, int64_t lo, int64_t hi, int16_t* 
 // range_mask / fill_from_mask for float32 with AVX-512, 16 elements (two bitmap bytes) at a time;
 // the ragged end goes to the scalar loops. Ordered comparisons: NaN is never inside.
 __attribute__((target("avx512f")))
-int64_t range_mask_f32_avx512(const float* x, int64_t n, float lo, float hi, bool bounded, uint8_t* bitmap) {
+int64_t range_mask_f32_avx512(const float* x, int64_t n, float lo, float hi, bool bounded, uint8_t* bitmap,
+                              int64_t* nonzero) {
   const __m512 vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi);
-  int64_t g = 0;
+  int64_t g = 0, nz = 0;
   for (; g + 16 <= n; g += 16) {
     const __m512 v = _mm512_loadu_ps(x + g);
     __mmask16 in = _mm512_cmp_ps_mask(v, vlo, _CMP_GT_OQ);
     if (bounded) in &= _mm512_cmp_ps_mask(v, vhi, _CMP_LT_OQ);
     const uint16_t two_bytes = in;
     std::memcpy(bitmap + (g >> 3), &two_bytes, 2);
+    const __m512i bits = _mm512_castps_si512(v);
+    nz += __builtin_popcount(_mm512_test_epi32_mask(bits, bits));
   }
+  *nonzero = nz;
   return g;
 }
 
@@ -408,21 +412,27 @@ int64_t fill_from_mask_f32_avx512(const uint8_t* bitmap, int64_t n, float inside
 // An activation's pass mask (bit i = lo < x[i] < hi; hi = inf: no upper bound; NaN: 0), the
 // 1-bit form in which a ReLU6/Hardtanh input copy is kept (doublemask.py, rule 1). The bounds are
 // rounded to the tensor's dtype first, as torch.gt(tensor, python_scalar) does.
-template <typename T> void range_mask_impl(const T* x, int64_t n, double lo_d, double hi_d, uint8_t* bitmap) {
+// Returns the elements whose bit pattern is not zero (the count a threshold-0 bitmap keeps).
+template <typename T> int64_t range_mask_impl(const T* x, int64_t n, double lo_d, double hi_d, uint8_t* bitmap) {
   const opmath_t<T> lo = static_cast<opmath_t<T>>(static_cast<T>(lo_d));
   const bool bounded = !std::isinf(hi_d);
   const opmath_t<T> hi = bounded ? static_cast<opmath_t<T>>(static_cast<T>(hi_d)) : opmath_t<T>(0);
+  std::atomic<int64_t> nonzero{0};
   at::parallel_for(0, (n + 7) / 8, 1 << 13, [&](int64_t b0, int64_t b1) {
+    int64_t nz = 0;
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t g = b * 8, m = std::min<int64_t>(8, n - g);
       unsigned byte = 0;
       for (int j = 0; j < m; ++j) {
         const opmath_t<T> v = static_cast<opmath_t<T>>(x[g + j]);
         byte |= static_cast<unsigned>(v > lo && (!bounded || v < hi)) << j;
+        nz += bits_of(x[g + j]) != 0;
       }
       bitmap[b] = static_cast<uint8_t>(byte);
     }
+    nonzero += nz;
   });
+  return nonzero;
 }
 
 // out[i] = inside where bit i is set, else outside.
@@ -437,10 +447,13 @@ template <typename T> void fill_from_mask_impl(const uint8_t* bitmap, int64_t n,
   });
 }
 
-Tensor range_mask(const Tensor& flat, double lo, double hi) {
+// (bitmap of lo < x < hi, elements with a non-zero bit pattern): the mask and, in the same pass,
+// the count the accounting needs.
+std::tuple<Tensor, int64_t> range_mask(const Tensor& flat, double lo, double hi) {
   check_flat(flat, "flat");
   const int64_t n = flat.numel();
   Tensor bitmap = at::empty({(n + 7) / 8}, flat.options().dtype(at::kByte));
+  int64_t nonzero = 0;
   const bool ok = with_float_type(flat.scalar_type(), [&](auto s) {
     using T = decltype(s);
     const T* x = flat.const_data_ptr<T>();
@@ -449,13 +462,13 @@ Tensor range_mask(const Tensor& flat, double lo, double hi) {
 #ifdef EDGEFLUX_X86
     if constexpr (std::is_same_v<T, float>) {
       if (has_avx512()) done = range_mask_f32_avx512(x, n, static_cast<float>(lo), static_cast<float>(hi),
-                                                     !std::isinf(hi), bits);
+                                                     !std::isinf(hi), bits, &nonzero);
     }
 #endif
-    range_mask_impl<T>(x + done, n - done, lo, hi, bits + done / 8);
+    nonzero += range_mask_impl<T>(x + done, n - done, lo, hi, bits + done / 8);
   });
   TORCH_CHECK(ok, "range_mask: unsupported dtype ", flat.scalar_type());
-  return bitmap;
+  return {bitmap, nonzero};
 }
 
 void fill_from_mask(const Tensor& bitmap, double inside, double outside, const Tensor& out) {
@@ -524,7 +537,7 @@ TORCH_LIBRARY(edgeflux_bitmap, m) {
   m.def("compress(Tensor flat, float threshold, ScalarType? store_dtype, int max_bytes, int block) -> (Tensor, Tensor, int)");
   m.def("decompress_into(Tensor bitmap, Tensor values, int block, Tensor(a!) out) -> ()");
   m.def("narrow_index(Tensor flat) -> Tensor");
-  m.def("range_mask(Tensor flat, float lo, float hi) -> Tensor");
+  m.def("range_mask(Tensor flat, float lo, float hi) -> (Tensor, int)");
   m.def("fill_from_mask(Tensor bitmap, float inside, float outside, Tensor(a!) out) -> ()");
 }
 

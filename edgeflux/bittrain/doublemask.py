@@ -112,19 +112,18 @@ class _MaskOnly:
         n = c.numel()
         flat, self.stride = _flat(c)
         if kernel.usable(flat):
-            self.bitmap = kernel.range_mask(flat, self.lo, self.hi)
+            self.bitmap, nnz = kernel.range_mask(flat, self.lo, self.hi)
         else:
             padded = torch.zeros(math.ceil(n / 8) * 8, dtype=torch.bool, device=c.device)
             padded[:n] = _passes(flat, self.lo, self.hi)
-            self.bitmap = _pack(padded)
+            self.bitmap, nnz = _pack(padded), count_kept(flat)
         s = self.stats
         s.tensors += 1
         s.mask_only += 1
         s.numel += n
         s.dense_bytes += n * c.element_size()
         s.stored_bytes += self.bitmap.numel()
-        nnz = count_kept(flat)                      # of the pre-activation, for the theoretical column
-        s.nnz += nnz
+        s.nnz += nnz                                # of the pre-activation, for the theoretical column
         vsize = self.ctx.store_dtype.itemsize if self.ctx.store_dtype else c.element_size()
         s.theoretical_bytes += vsize * nnz + math.ceil(n / 8)
 
@@ -343,6 +342,11 @@ class DoubleMask:
                      and node.next_functions[0][0] is call[1])
         with torch.no_grad():
             holder.confirm() if confirmed else holder.reject()
+
+    @property
+    def waiting(self) -> bool:
+        """BatchNorm inputs wait for their activation's output (stored() may pair one)."""
+        return bool(self._pending)
 
     # -- called from CompressedActivations._pack
     def pack(self, t: Tensor, stats: UnitStats) -> Any:

@@ -359,14 +359,13 @@ class CompressedActivations:
             if holder is not None:
                 return holder
         if self._dm is not None:
-            with torch.no_grad():
-                special = self._dm.pack(t, stats)
+            special = self._dm.pack(t, stats)        # (only makes holders of detached tensors)
             if special is not None:
                 return special
         holder = self.store(t, stats)
         self._seen[id(t)] = (weakref.ref(t), t._version, weakref.ref(holder))
-        if self._dm is not None:
-            with torch.no_grad():
+        if self._dm is not None and self._dm.waiting:
+            with torch.no_grad():                    # may finish a BatchNorm input (computes)
                 self._dm.stored(t, holder)
         return holder
 

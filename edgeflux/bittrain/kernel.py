@@ -114,8 +114,11 @@ def narrow_index(flat: torch.Tensor) -> torch.Tensor:
     return torch.ops.edgeflux_bitmap.narrow_index(flat)
 
 
-def range_mask(flat: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
-    """uint8 bitmap of lo < x < hi over 1-D ``flat`` (hi = inf: no upper bound; NaN: not inside)."""
+def range_mask(flat: torch.Tensor, lo: float, hi: float) -> tuple[torch.Tensor, int]:
+    """(uint8 bitmap of lo < x < hi over 1-D ``flat``, elements with a non-zero bit pattern), one pass.
+
+    hi = inf: no upper bound; NaN is never inside.
+    """
     return torch.ops.edgeflux_bitmap.range_mask(flat, float(lo), float(hi))
 
 
