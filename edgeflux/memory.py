@@ -211,6 +211,13 @@ def resolve_units(units: UnitsArg) -> tuple[list[tuple[str, nn.Module]], list[nn
     return pairs, [m for _, m in pairs]
 
 
+def _reports_running_unit(model: nn.Module, units: Sequence[tuple[str, nn.Module]]) -> bool:
+    """model is a UnitModel and `units` are exactly its units (same names, same modules, same order)."""
+    names, modules = getattr(model, "unit_names", None), getattr(model, "units", None)
+    return (hasattr(type(model), "running_unit") and names is not None and modules is not None
+            and [n for n, _ in units] == list(names) and all(m is u for (_, m), u in zip(units, modules)))
+
+
 class UnitTracker:
     """Which unit's forward is running, for saved-tensor attribution.
 
@@ -222,14 +229,20 @@ class UnitTracker:
     accounting, so both attribute the same tensor to the same unit.
     """
 
-    def __init__(self, units: Sequence[tuple[str, nn.Module]]) -> None:
+    def __init__(self, units: Sequence[tuple[str, nn.Module]], model: nn.Module | None = None) -> None:
+        """model: a UnitModel whose units these are; its forward reports the running unit itself
+        (UnitModel.running_unit), so no module hooks are needed (they cost every unit call)."""
         self.units = list(units)
+        self.model = model if model is not None and _reports_running_unit(model, self.units) else None
         self._stack: list[str] = []
         self._handles: list[Any] = []
 
     @property
     def current(self) -> str:
         """The innermost running unit, or OUTSIDE_UNITS."""
+        if self.model is not None:
+            name = self.model.running_unit
+            return name if name is not None else OUTSIDE_UNITS
         return self._stack[-1] if self._stack else OUTSIDE_UNITS
 
     def _enter(self, name: str, _module: nn.Module, _inputs: Any) -> None:
@@ -240,6 +253,8 @@ class UnitTracker:
             self._stack.pop()
 
     def __enter__(self) -> UnitTracker:
+        if self.model is not None:
+            return self
         for name, module in self.units:
             self._handles.append(module.register_forward_pre_hook(partial(self._enter, name)))
             # always_call: a forward that raises still pops its name

@@ -306,6 +306,24 @@ def test_activation_masks_hold_relu6_input_copies_as_one_bit(fmnist, bitmap_path
     assert off.stored_bytes - on.stored_bytes > 0.25 * off.stored_bytes
 
 
+@pytest.mark.parametrize("name", ["vgg16", "resnet18"])
+def test_unit_model_attribution_without_hooks_matches_module_hooks(fmnist, name):
+    """units=UnitModel reads the model's running_unit (no module hooks); (name, module) pairs use
+    hooks. Both attribute every saved tensor to the same unit."""
+    torch.manual_seed(0)
+    model = build_model(name, width=0.25)
+    x, y = fmnist[0][:4], fmnist[1][:4]
+    fast = compressed_activations(units=model)
+    hooked = compressed_activations(units=list(zip(model.unit_names, model.units)))
+    for ctx in (fast, hooked):
+        _train_step(model, x, y, ctx)
+    assert fast._tracker.model is model and hooked._tracker.model is None
+    per_unit = {k: v for k, v in fast.summary()["units"].items()}
+    assert per_unit == hooked.summary()["units"]
+    assert sum(u["tensors"] > 0 for u in per_unit.values()) >= len(model.unit_names) - 1
+    assert model.running_unit is None               # reset after the forward
+
+
 def test_parameters_views_and_indices_never_reach_storage(fmnist):
     torch.manual_seed(0)
     model = build_model("vgg16", width=0.25, batch_norm=False)

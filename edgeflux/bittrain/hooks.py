@@ -278,6 +278,7 @@ class CompressedActivations:
         self.narrow_indices = bool(narrow_indices)
         self.activation_masks = bool(activation_masks)
         self.unit_pairs, self._modules = resolve_units(units)
+        self._model = units if isinstance(units, torch.nn.Module) else None   # a UnitModel reports its running unit
         # Parameters and buffers of the units (and `exclude`): recognised by storage address,
         # pinned so that the addresses stay theirs while this object lives.
         # (one walk over the modules: this runs once per training step)
@@ -302,7 +303,7 @@ class CompressedActivations:
     def __enter__(self) -> CompressedActivations:
         if self._hooks is not None:
             raise RuntimeError("this compressed_activations context is already active; make a new one to nest")
-        self._tracker = UnitTracker(self.unit_pairs).__enter__()
+        self._tracker = UnitTracker(self.unit_pairs, model=self._model).__enter__()
         if (self.double_mask or self.activation_masks) and self._modules:
             from .doublemask import DoubleMask   # local: doublemask imports this module
             dm = DoubleMask(self, self._modules, bn_rules=self.double_mask)

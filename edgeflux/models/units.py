@@ -86,17 +86,30 @@ class UnitModel(nn.Module):
         self.in_channels = in_channels
         self.image_size = image_size
         self.width = width
+        self.__dict__["running_unit"] = None   # plain attribute (not nn.Module's __setattr__): set per unit
+
+    @property
+    def running_unit(self) -> str | None:
+        """The unit whose forward is running now (None between forwards): edgeflux.memory.UnitTracker
+        reads it to attribute saved tensors without module hooks."""
+        return self.__dict__.get("running_unit")   # (.get: a model unpickled from an older edgeflux)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for unit in self.units:
-            x = unit(x)
-        return x
+        return self._run(x, len(self.units))
 
     def forward_until(self, x: torch.Tensor, stop: int) -> torch.Tensor:
         """Run units[0:stop] and return the activation at that boundary (x itself for stop=0)."""
         self._check_boundary(stop)
-        for unit in self.units[:stop]:
-            x = unit(x)
+        return self._run(x, stop)
+
+    def _run(self, x: torch.Tensor, stop: int) -> torch.Tensor:
+        state = self.__dict__
+        try:
+            for name, unit in zip(self.unit_names[:stop], self.units):
+                state["running_unit"] = name
+                x = unit(x)
+        finally:
+            state["running_unit"] = None
         return x
 
     def head(self, start: int) -> nn.Sequential:
