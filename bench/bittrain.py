@@ -68,18 +68,26 @@ class TorchOpsPath:
         return self.inner.summary()
 
 
+def _same(t):
+    return t
+
+
 @dataclass
 class Variant:
     opts: BitTrainOptions
     torch_ops: bool = False      # the torch-op path (what BitTrain ran before the C++ kernel)
+    hooks_only: bool = False     # saved-tensor hooks that change nothing: the price of the hook mechanism itself
 
     def context(self, model):
+        if self.hooks_only:
+            return torch.autograd.graph.saved_tensors_hooks(_same, _same)
         ctx = self.opts.context(model)
         return TorchOpsPath(ctx) if self.torch_ops else ctx
 
 
 VARIANTS = {
     "dense": Variant(BitTrainOptions(enabled=False)),
+    "hooks only": Variant(BitTrainOptions(enabled=False), hooks_only=True),
     "bitmap": Variant(BitTrainOptions(enabled=True)),
     "bitmap, torch ops": Variant(BitTrainOptions(enabled=True), torch_ops=True),
     "bitmap, int64 indices": Variant(BitTrainOptions(enabled=True, narrow_indices=False)),
@@ -93,7 +101,7 @@ SAMPLE_SHAPE, NUM_CLASSES = (1, 32, 32), 10
 # "extra": (model, width, batch) rows with dense / bitmap / prune 0.1 / prune 0.05 only
 FULL = {"table1_batch": 16, "runs": 5, "batch": 32, "reps": 11, "widths": (0.25,),
         "extra": (("vgg16_nobn", 0.25, 128), ("vgg16_nobn", 0.25, 256), ("vgg16_nobn", 1.0, 32),
-                  ("resnet18", 1.0, 32)),
+                  ("resnet18", 1.0, 32), ("mobilenet_v2", 1.0, 32)),
         "acc_steps": 300, "acc_grid": (("vgg16_nobn", ("dense", "prune 0.01", "prune 0.05", "prune 0.1", "fp16")),
                                        ("resnet18", ("dense", "prune 0.05", "double_mask"))), "test": 2000}
 QUICK = {"table1_batch": 2, "runs": 3, "batch": 16, "reps": 2, "widths": (0.25,), "extra": (),
@@ -204,7 +212,9 @@ def model_rows(key: str, width: float, batch: int, reps: int, data, variants: li
         s = cap.last.summary()["total"] if hasattr(cap.last, "summary") else None
         fwd = forward_live_bytes(model, x, y, VARIANTS[v])
         rows[v] = {"case": f"{key} w{width:g} b{batch} {v}", "part": "train", "model": key, "width": width,
-                   "batch": batch, "variant": v, "peak_bytes": mem.peak_bytes, "saved_bytes_measured": mem.saved_bytes,
+                   "batch": batch, "variant": v, "peak_bytes": mem.peak_bytes,
+                   # (the hooks-only row's own hooks are innermost: memory.py's saved-tensor count sees nothing)
+                   "saved_bytes_measured": None if VARIANTS[v].hooks_only else mem.saved_bytes,
                    "forward_live_bytes": fwd,
                    "dense_bytes": s["dense_bytes"] if s else None, "achieved_bytes": s["stored_bytes"] if s else None,
                    "theoretical_bytes": s["theoretical_bytes"] if s else None,
@@ -434,6 +444,9 @@ bytes the compressed tensor holds (edgeflux.memory tracker); throughput = dense 
 "bitmap" rows run the compiled C++ kernel (edgeflux/bittrain/bitmap_kernel.cpp); "bitmap, torch ops" the same
 format made with torch ops only (the path used where the kernel cannot be built); "bitmap, int64 indices" keeps
 max-pool indices int64 (narrow_indices=False), to show what narrowing them to int16 saves.
+"hooks only": torch.autograd.graph.saved_tensors_hooks that return every tensor as it is: what PyTorch's hook
+mechanism itself costs (a Python call per saved tensor and per restore); the rest of a bitmap row's overhead is
+BitTrain's own work.
 page faults/step: minor page faults of the process during a timed step (each a fresh 4 KiB page from the kernel:
 glibc returns large freed blocks to the OS, so every step's re-allocations fault again unless --malloc retain).
 """

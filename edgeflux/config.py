@@ -116,7 +116,7 @@ class BitTrainParams(_Section):
     store_dtype: Literal["float16", "bfloat16", "float32", "float64"] | None = None   # non-zero values' dtype
     double_mask: bool = False             # BatchNorm/activation mask propagation (edgeflux.bittrain.doublemask)
     narrow_indices: bool = True           # int64 max-pool indices held as int16/int32 when they fit (exact)
-    activation_masks: bool = True         # in-place ReLU6/Hardtanh input copies held as 1-bit masks (exact)
+    activation_masks: bool = True         # in-place ReLU6/Hardtanh input copies read from the output (exact)
 
     @property
     def exact(self) -> bool:

@@ -40,6 +40,9 @@ def test_bittrain_quick_writes_table1_and_training_rows(tmp_path):
         assert r["achieved_bytes"] == r["theoretical_bytes"] == 4 * round(r["numel"] * r["nonzero"]) + r["numel"] // 8
     train = {r["variant"]: r for r in rows if r["part"] == "train" and r["model"] == "vgg16_nobn"}
     assert train["dense"]["step_time_ratio"] == 1.0
+    # hooks that return every saved tensor as it is change no byte: the row prices the mechanism alone
+    assert train["hooks only"]["peak_bytes"] == train["dense"]["peak_bytes"]
+    assert train["hooks only"]["forward_live_bytes"] == train["dense"]["forward_live_bytes"]
     # VGG without BN: ReLU outputs are half zeros, so the bitmap stores less and the measured peak drops
     assert train["bitmap"]["achieved_bytes"] < 0.7 * train["bitmap"]["dense_bytes"]
     assert train["bitmap"]["peak_bytes"] < train["dense"]["peak_bytes"]

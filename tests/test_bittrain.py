@@ -16,8 +16,8 @@ from torch.utils.checkpoint import checkpoint
 from edgeflux.bittrain import (BitmapTensor, BitTrainOptions, CompressedActivations, FloatTensorRequired,
                                SavedTensorModifiedError, compress, compressed_activations, theoretical_bytes)
 from edgeflux.bittrain.doublemask import DoubleMaskError
-from edgeflux.bittrain import kernel
-from edgeflux.bittrain.bitmap import MAX_CHUNK, _chunk, _pack
+from edgeflux.bittrain import hooks, kernel
+from edgeflux.bittrain.bitmap import MAX_CHUNK, _chunk, _pack, count_kept
 from edgeflux.bittrain.hooks import _Kept, _Narrowed, _Packed
 from edgeflux.memory import OUTSIDE_UNITS, measure_step, track_live_tensors, training_step_fn
 from edgeflux.models import build_model
@@ -196,6 +196,38 @@ def test_kernel_activation_mask_matches_torch(dtype):
             assert torch.equal(out, torch.where(inside, 3.0, lo).to(dtype)), (n, lo, hi)
 
 
+@pytest.mark.skipif(not kernel.available(), reason="the C++ bitmap kernel could not be built here")
+@pytest.mark.parametrize("threshold", [0.0, 0.5])
+def test_kernel_count_each_counts_like_count_kept(threshold):
+    """One call for many tensors (small saved tensors are counted in batches) = one count per tensor."""
+    g = torch.Generator().manual_seed(5)
+    tensors = []
+    for dtype in FLOATS:
+        for n in (0, 1, 7, 16, 17, 1000):
+            t = (torch.relu(torch.randn(n, generator=g)) * torch.randn(n, generator=g)).to(dtype)
+            if n > 3:
+                t[1], t[2], t[3] = -0.0, float("nan"), 0.25
+            tensors.append(t.reshape(-1, 1) if n % 2 else t)
+    with kernel.disabled():
+        expected = [count_kept(t, threshold) for t in tensors]
+    assert kernel.count_each(tensors, threshold) == expected
+
+
+def test_small_tensors_counted_in_batches_add_up_the_same(monkeypatch, fmnist, bitmap_path):
+    """BatchNorm's saved means and inverse stds (below min_bytes) are counted at the end of the block, or
+    whenever the batch reaches SMALL_BATCH_BYTES: per-unit figures do not depend on when."""
+    torch.manual_seed(0)
+    model = build_model("mobilenet_v2", width=0.25)
+    x, y = fmnist[0][:4], fmnist[1][:4]
+    a, b = copy.deepcopy(model), copy.deepcopy(model)
+    ends = _train_step(a, x, y, compressed_activations(units=a)).summary()["units"]
+    monkeypatch.setattr(hooks, "SMALL_BATCH_BYTES", 1)
+    each = _train_step(b, x, y, compressed_activations(units=b)).summary()["units"]
+    assert ends == each
+    small = sum(u["small"] for u in ends.values())
+    assert small > 50 and sum(u["nnz"] for u in ends.values()) > 0
+
+
 def test_bitmap_layout_every_byte_pattern(bitmap_path):
     """Element 8g+k is bit k of byte g: all 256 patterns pack to their own value and back."""
     patterns = torch.arange(256)
@@ -292,8 +324,9 @@ def test_gradients_bit_identical(fmnist, name, kw, bitmap_path):
 
 
 def test_activation_masks_hold_relu6_input_copies_as_one_bit(fmnist, bitmap_path):
-    """Each in-place ReLU6's saved input copy: n/8 bytes instead of 4n (it is dense, so a bitmap
-    would not shrink it); gradients stay bit-identical (checked above); off, the copies stay dense."""
+    """Each in-place ReLU6's saved input copy: nothing, or n/8 bytes, instead of 4n (it is dense, so
+    a bitmap would not shrink it); gradients stay bit-identical (checked above); off, the copies
+    stay dense."""
     torch.manual_seed(0)
     model = build_model("mobilenet_v2", width=0.25)
     x, y = fmnist[0][:4], fmnist[1][:4]
@@ -304,6 +337,53 @@ def test_activation_masks_hold_relu6_input_copies_as_one_bit(fmnist, bitmap_path
     assert on.mask_only == relu6 > 0 and off.mask_only == 0
     assert on.dense_bytes == off.dense_bytes
     assert off.stored_bytes - on.stored_bytes > 0.25 * off.stored_bytes
+
+
+class _Relu6Net(nn.Module):
+    """conv-BN-ReLU6 into a conv (which saves the ReLU6 output), then conv-BN-ReLU6 into a mean
+    (which saves nothing) and a linear layer: MobileNetV2's two situations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU6(inplace=True))
+        self.b = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU6(inplace=True))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.b(self.a(x)).mean((2, 3)))
+
+
+@pytest.mark.parametrize("threshold,store_dtype", [(0.0, None), (0.05, None), (0.0, torch.float16)],
+                         ids=["lossless", "pruned", "fp16"])
+def test_relu6_input_copy_is_read_from_the_output_when_storage_is_lossless(bitmap_path, threshold, store_dtype):
+    """Lossless: the copy holds nothing and backward reads the ReLU6 output's bitmap, the same holder
+    the next conv got; where no operation saves the output (ReLU6 into a mean), and whenever storage
+    is lossy (pruning could zero an output inside (0, 6), fp16 round 5.9999 to 6), it is a 1-bit mask.
+    Lossless, every gradient is bit-identical to plain training's."""
+    from edgeflux.bittrain.doublemask import _MaskOnly
+    torch.manual_seed(0)
+    net = _Relu6Net()
+    x = torch.randn(4, 3, 12, 12) * 3          # activations on both sides of 0 and 6
+    plain, m = copy.deepcopy(net), copy.deepcopy(net)
+    plain(x).square().sum().backward()
+    ca = compressed_activations(units=m, threshold=threshold, store_dtype=store_dtype)
+    holders = []
+    pack = ca._pack
+    ca._pack = lambda t: holders.append(pack(t)) or holders[-1]   # (hooks are installed from the instance)
+    with ca:
+        m(x).square().sum().backward()
+    first, second = [h for h in holders if isinstance(h, _MaskOnly)]
+    lossless = threshold == 0 and store_dtype is None
+    assert (first.output is not None) == lossless and (first.bitmap is None) == lossless
+    if lossless:
+        assert any(h is first.output for h in holders)        # the conv's save of the output
+        for p, q in zip(plain.parameters(), m.parameters()):
+            assert torch.equal(p.grad, q.grad)
+    assert second.output is None and second.bitmap is not None
+    n = 4 * 8 * 12 * 12
+    masks = 1 if lossless else 2
+    assert ca.total().mask_only == 2
+    assert sum(h.bitmap.numel() for h in (first, second) if h.bitmap is not None) == masks * n // 8
 
 
 @pytest.mark.parametrize("name", ["vgg16", "resnet18"])

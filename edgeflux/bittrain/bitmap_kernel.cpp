@@ -119,15 +119,20 @@ void compress_block_f32_avx512(const float* x, int64_t lo, int64_t hi, double th
 __attribute__((target("avx512f,popcnt")))
 void decompress_block_f32_avx512(const uint8_t* bitmap, const float* values, int64_t lo, int64_t hi, float* out) {
   int64_t g = lo;
+  // a masked load of the group's values, expanded in registers: faster than expand-from-memory
+  // (vexpandps m512) in cache, the same out of it; the mask keeps the load inside the values
   for (; g + 16 <= hi; g += 16) {
     uint16_t bits; std::memcpy(&bits, bitmap + (g >> 3), 2);
-    _mm512_storeu_ps(out + g, _mm512_maskz_expandloadu_ps(__mmask16(bits), values));   // reads popcount(bits) values
-    values += __builtin_popcount(bits);
+    const int c = __builtin_popcount(bits);
+    const __m512 v = _mm512_maskz_loadu_ps(__mmask16((1u << c) - 1), values);
+    _mm512_storeu_ps(out + g, _mm512_maskz_expand_ps(__mmask16(bits), v));
+    values += c;
   }
   if (g < hi) {
     const int64_t m = hi - g;
     const unsigned bits = bitmap[g >> 3] | (m > 8 ? unsigned(bitmap[(g >> 3) + 1]) << 8 : 0u);
-    _mm512_mask_storeu_ps(out + g, __mmask16((1u << m) - 1), _mm512_maskz_expandloadu_ps(__mmask16(bits), values));
+    const __m512 v = _mm512_maskz_loadu_ps(__mmask16((1u << __builtin_popcount(bits)) - 1), values);
+    _mm512_mask_storeu_ps(out + g, __mmask16((1u << m) - 1), _mm512_maskz_expand_ps(__mmask16(bits), v));
   }
 }
 #endif
@@ -143,22 +148,23 @@ inline int64_t popcount_bytes(const uint8_t* bitmap, int64_t lo, int64_t hi) {
   return c;
 }
 
+template <typename T> int64_t count_range(const T* x, int64_t lo, int64_t hi, double threshold) {   // kept in [lo, hi)
+#ifdef EDGEFLUX_X86
+  if constexpr (std::is_same_v<T, float>) {
+    if (has_avx512()) return count_block_f32_avx512(x, lo, hi, threshold);
+  }
+#endif
+  const auto keep = make_keep<T>(threshold);
+  int64_t c = 0;
+  for (int64_t i = lo; i < hi; ++i) c += keep(x[i]);
+  return c;
+}
+
 template <typename T>
 void count_blocks_impl(const T* x, int64_t n, int64_t block, double threshold, int64_t* counts) {   // kept per block
-  const auto keep = make_keep<T>(threshold);
   const int64_t nblocks = (n + block - 1) / block;
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t lo = b * block, hi = std::min(n, lo + block);
-#ifdef EDGEFLUX_X86
-      if constexpr (std::is_same_v<T, float>) {
-        if (has_avx512()) { counts[b] = count_block_f32_avx512(x, lo, hi, threshold); continue; }
-      }
-#endif
-      int64_t c = 0;
-      for (int64_t i = lo; i < hi; ++i) c += keep(x[i]);
-      counts[b] = c;
-    }
+    for (int64_t b = b0; b < b1; ++b) counts[b] = count_range(x, b * block, std::min(n, (b + 1) * block), threshold);
   });
 }
 
@@ -335,6 +341,25 @@ std::tuple<Tensor, Tensor, int64_t> compress(const Tensor& flat, double threshol
   });
   TORCH_CHECK(ok, "compress: unsupported dtypes ", flat.scalar_type(), " -> ", value_type);
   return {bitmap, values, nnz};
+}
+
+// Elements each contiguous CPU tensor of `tensors` keeps (threshold as in compress). One call for
+// many small tensors: the per-call cost of an op (a few microseconds) is more than counting them.
+std::vector<int64_t> count_each(const std::vector<Tensor>& tensors, double threshold) {
+  std::vector<int64_t> counts;
+  counts.reserve(tensors.size());
+  for (const Tensor& t : tensors) {
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "count_each: tensors must be contiguous CPU tensors");
+    const int64_t n = t.numel();
+    int64_t c = 0;
+    bool ok = with_float_type(t.scalar_type(), [&](auto s) {
+      using S = decltype(s);
+      c = count_range<S>(t.const_data_ptr<S>(), 0, n, threshold);
+    });
+    TORCH_CHECK(ok, "count_each: unsupported dtype ", t.scalar_type());
+    counts.push_back(c);
+  }
+  return counts;
 }
 
 void decompress_into(const Tensor& bitmap, const Tensor& values, int64_t block, const Tensor& out) {
@@ -539,6 +564,7 @@ TORCH_LIBRARY(edgeflux_bitmap, m) {
   m.def("narrow_index(Tensor flat) -> Tensor");
   m.def("range_mask(Tensor flat, float lo, float hi) -> (Tensor, int)");
   m.def("fill_from_mask(Tensor bitmap, float inside, float outside, Tensor(a!) out) -> ()");
+  m.def("count_each(Tensor[] tensors, float threshold) -> int[]");
 }
 
 TORCH_LIBRARY_IMPL(edgeflux_bitmap, CPU, m) {
@@ -547,4 +573,5 @@ TORCH_LIBRARY_IMPL(edgeflux_bitmap, CPU, m) {
   m.impl("narrow_index", narrow_index);
   m.impl("range_mask", range_mask);
   m.impl("fill_from_mask", fill_from_mask);
+  m.impl("count_each", count_each);
 }

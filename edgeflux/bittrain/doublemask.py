@@ -10,11 +10,17 @@ the gradient; outside P, dL/dy = 0 when act is y's only consumer.
 
 1. Exact, always: an *in-place* ReLU6/Hardtanh makes autograd save a clone of its input (the
    pre-activation y; torch saves ``original_self`` for hardtanh_'s backward), which is read only
-   as ``lo < y < hi`` by hardtanh_backward. It is stored as a 1-bit mask of P and restored as
-   (lo+hi)/2 inside P and lo outside, which gives hardtanh_backward the same mask: bit-identical
-   gradients. Recognised when, inside an in-place nn.Hardtanh/nn.ReLU6 module, a clone of the
-   module's input is saved, and confirmed after the module returns (its output's grad_fn is
-   HardtanhBackward0 on that input); otherwise the clone is stored normally.
+   as ``lo < y < hi`` by hardtanh_backward. Its output r = clamp(y, lo, hi) has exactly that mask
+   (r equals y strictly inside (lo, hi) and a bound outside; NaN is inside neither), and r is saved
+   anyway by the next operation (the following conv): so when storage is lossless the copy is
+   dropped and backward gets r, restored once for both readers; nothing is stored for the copy.
+   Pruning or fp16 storage could move a stored r onto a bound (|r| < threshold becomes 0, 5.9999
+   rounds to 6.0), and an r kept as is could be changed in place later: in those cases the copy is
+   stored as a 1-bit mask of P instead and restored as (lo+hi)/2 inside P and lo outside, which
+   gives hardtanh_backward the same mask. Bit-identical gradients either way. Recognised when,
+   inside an in-place nn.Hardtanh/nn.ReLU6 module, a clone of the module's input is saved, and
+   confirmed after the module returns (its output's grad_fn is HardtanhBackward0 on that input);
+   otherwise the clone is stored normally.
 
 2. Exact, BatchNorm in eval mode (running statistics; frozen-BN fine-tuning): BN backward is
    dx = dy * a and d_gamma = sum(dy * x_hat). Outside P, dy = 0, so x is not read there (0 * x_hat
@@ -56,7 +62,7 @@ from torch import Tensor, nn
 from edgeflux.memory import check_saved_version
 
 from . import kernel
-from .bitmap import _flat, _pack, _unpack, count_kept
+from .bitmap import BitmapTensor, _flat, _pack, _unpack, count_kept
 from .hooks import UnitStats, _Kept, _Packed
 
 if TYPE_CHECKING:
@@ -94,38 +100,57 @@ def _channel_view(v: Tensor, like: Tensor) -> Tensor:
 
 
 class _MaskOnly:
-    """An in-place Hardtanh's saved input copy, stored as the 1-bit mask of lo < v < hi (rule 1)."""
+    """An in-place Hardtanh's saved input copy y, read by its backward only as lo < y < hi (rule 1):
+    served from the activation's stored output, or held as a 1-bit mask."""
 
-    __slots__ = ("ctx", "stats", "lo", "hi", "pending", "holder", "bitmap", "shape", "stride", "dtype",
-                 "__weakref__")
+    __slots__ = ("ctx", "stats", "lo", "hi", "pending", "holder", "output_of", "output", "bitmap", "shape", "stride",
+                 "dtype", "__weakref__")
 
     def __init__(self, ctx: CompressedActivations, t: Tensor, stats: UnitStats, lo: float, hi: float) -> None:
         self.ctx, self.stats, self.lo, self.hi = ctx, stats, lo, hi
         self.pending: Tensor | None = t.detach()      # until the activation module returns
         self.holder: _Kept | _Packed | None = None    # when not confirmed: stored normally
-        self.bitmap: Tensor | None = None
+        self.output_of: tuple[Any, int] | None = None  # (weakref to r, its version) until resolve()
+        self.output: _Packed | None = None            # the activation output's bitmap (lossless storage)
+        self.bitmap: Tensor | None = None             # else the mask
         self.shape, self.dtype = t.shape, t.dtype
         self.stride: tuple[int, ...] = ()
 
-    def confirm(self) -> None:
-        c, self.pending = self.pending, None
-        n = c.numel()
-        flat, self.stride = _flat(c)
-        if kernel.usable(flat):
-            self.bitmap, nnz = kernel.range_mask(flat, self.lo, self.hi)
+    def confirm(self, r: Tensor) -> None:
+        """The module returned r = act(y) in place. Lossless storage: wait for the next save (see
+        resolve); otherwise store y's mask now."""
+        ctx = self.ctx
+        if (ctx.threshold == 0 and ctx.store_dtype is None and r.shape == self.shape and r.dtype == self.dtype
+                and ctx.is_activation(r)):
+            self.output_of = (weakref.ref(r), r._version)
+            ctx.awaiting_output = self
         else:
-            padded = torch.zeros(math.ceil(n / 8) * 8, dtype=torch.bool, device=c.device)
-            padded[:n] = _passes(flat, self.lo, self.hi)
-            self.bitmap, nnz = _pack(padded), count_kept(flat)
-        s = self.stats
+            self.resolve(None)
+
+    def resolve(self, t: Tensor | None) -> None:
+        """t: the next saved tensor. When it is r (the next operation reads the activation's output:
+        a conv does, first thing), y is served from r's bitmap; otherwise y is stored as its mask."""
+        c, self.pending = self.pending, None
+        ctx, s, n = self.ctx, self.stats, c.numel()
+        flat, self.stride = _flat(c)
+        if t is not None and self.output_of is not None and self.output_of[0]() is t and self.output_of[1] == t._version:
+            holder = ctx.store_shared(t, ctx.unit_stats())   # the save of t that follows gets this holder too
+            if isinstance(holder, _Packed) and isinstance(holder.data, BitmapTensor):
+                self.output = holder             # a copy: later in-place changes to r cannot reach it
+        self.output_of = None
+        if self.output is None:
+            if kernel.usable(flat):
+                self.bitmap, _ = kernel.range_mask(flat, self.lo, self.hi)
+            else:
+                padded = torch.zeros(math.ceil(n / 8) * 8, dtype=torch.bool, device=c.device)
+                padded[:n] = _passes(flat, self.lo, self.hi)
+                self.bitmap = _pack(padded)
+        # not in numel/nnz/theoretical_bytes: the copy is never a bitmap candidate (and counting its
+        # non-zeros would cost one more pass over it)
         s.tensors += 1
         s.mask_only += 1
-        s.numel += n
         s.dense_bytes += n * c.element_size()
-        s.stored_bytes += self.bitmap.numel()
-        s.nnz += nnz                                # of the pre-activation, for the theoretical column
-        vsize = self.ctx.store_dtype.itemsize if self.ctx.store_dtype else c.element_size()
-        s.theoretical_bytes += vsize * nnz + math.ceil(n / 8)
+        s.stored_bytes += 0 if self.bitmap is None else self.bitmap.numel()
 
     def reject(self) -> None:
         c, self.pending = self.pending, None
@@ -136,6 +161,8 @@ class _MaskOnly:
             return self.pending
         if self.holder is not None:
             return self.holder.unpack()
+        if self.output is not None:
+            return self.output.restore()         # (no version check: the stored copy is r as it was saved)
         n = math.prod(self.shape)
         out = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.bitmap.device)
         flat = out.as_strided((n,), (1,))
@@ -271,11 +298,13 @@ class DoubleMask:
     """Module hooks on the BatchNorm and in-place Hardtanh modules of the units, and the pairing."""
 
     def __init__(self, ctx: CompressedActivations, modules: list[nn.Module], bn_rules: bool = True) -> None:
-        """bn_rules: rules 2 and 3 (BatchNorm inputs) besides rule 1; False: rule 1 alone (exact)."""
+        """modules: every module of the model (each once; CompressedActivations walks the model once
+        per step for both). bn_rules: rules 2 and 3 (BatchNorm inputs) besides rule 1; False: rule 1
+        alone (exact)."""
         self.ctx = ctx
-        subs = {id(s): s for m in modules for s in m.modules()}.values()
-        self.bns = [s for s in subs if isinstance(s, nn.modules.batchnorm._BatchNorm)] if bn_rules else []
-        self.acts = [s for s in subs if isinstance(s, nn.Hardtanh) and s.inplace]
+        self.in_call = False     # a hooked module's forward is running: pack() may claim a saved tensor
+        self.bns = [s for s in modules if isinstance(s, nn.modules.batchnorm._BatchNorm)] if bn_rules else []
+        self.acts = [s for s in modules if isinstance(s, nn.Hardtanh) and s.inplace]
         self._handles: list[Any] = []
         self._bn_call: tuple[nn.Module, Tensor] | None = None
         self._bn_holder: _BNInput | None = None
@@ -301,7 +330,9 @@ class DoubleMask:
                 self._pending.popleft().fallback()
             if self._act_holder is not None and self._act_holder.pending is not None:
                 self._act_holder.reject()
+            self.ctx.resolve_awaiting(None)
         self._bn_call = self._bn_holder = self._act_call = self._act_holder = None
+        self.in_call = False
 
     # -- module hooks
     def _bn_pre(self, module: nn.Module, inputs: tuple) -> None:
@@ -312,9 +343,11 @@ class DoubleMask:
                 self._pending.popleft().fallback()
         self._bn_call = (module, inputs[0]) if inputs and isinstance(inputs[0], Tensor) else None
         self._bn_holder = None
+        self.in_call = self._bn_call is not None or self._act_call is not None
 
     def _bn_post(self, module: nn.Module, _inputs: tuple, output: Any) -> None:
         holder, self._bn_holder, self._bn_call = self._bn_holder, None, None
+        self.in_call = self._act_call is not None
         if holder is None:
             return
         node = output.grad_fn if isinstance(output, Tensor) else None
@@ -331,17 +364,19 @@ class DoubleMask:
         x = inputs[0] if inputs and isinstance(inputs[0], Tensor) else None
         self._act_call = (module, x.grad_fn, x) if x is not None and x.grad_fn is not None else None
         self._act_holder = None
+        self.in_call = self._bn_call is not None or self._act_call is not None
 
     def _act_post(self, module: nn.Module, _inputs: tuple, output: Any) -> None:
         call, holder = self._act_call, self._act_holder
         self._act_call = self._act_holder = None
+        self.in_call = self._bn_call is not None
         if holder is None or holder.pending is None:
             return
         node = output.grad_fn if isinstance(output, Tensor) else None
         confirmed = (call is not None and type(node).__name__ == "HardtanhBackward0"
                      and node.next_functions[0][0] is call[1])
         with torch.no_grad():
-            holder.confirm() if confirmed else holder.reject()
+            holder.confirm(output) if confirmed else holder.reject()
 
     @property
     def waiting(self) -> bool:

@@ -40,9 +40,12 @@ in place before backward (identity hooks included); ``unpack`` performs that che
 raises SavedTensorModifiedError, as plain autograd would.
 
 Activation masks (``activation_masks=True``, the default; needs ``units``): an in-place ReLU6 or
-Hardtanh makes autograd save a copy of its input, which its backward reads only as lo < x < hi;
-that copy is held as a 1-bit mask (rule 1 of edgeflux.bittrain.doublemask, exact). In MobileNetV2
-these copies are a third of the saved bytes, all non-zero, so a bitmap could not shrink them.
+Hardtanh makes autograd save a copy of its input, which its backward reads only as lo < x < hi.
+The activation's output has the same mask and is saved anyway by the next conv, so with lossless
+storage the copy is not stored at all: backward reads the output's bitmap instead (restored once
+for both); otherwise the copy is held as a 1-bit mask (rule 1 of edgeflux.bittrain.doublemask;
+exact either way). In MobileNetV2 these copies are a third of the saved bytes, all non-zero, so a
+bitmap could not shrink them.
 
 ``double_mask=True`` adds the BatchNorm rules of edgeflux.bittrain.doublemask (paper Section 3.1);
 see there for which are exact and which are approximate.
@@ -73,6 +76,7 @@ log = logging.getLogger(__name__)
 __all__ = ["CompressedActivations", "SavedTensorModifiedError", "UnitStats", "compressed_activations",
            "resolve_store_dtype"]
 
+SMALL_BATCH_BYTES = 1 << 16   # small saved tensors held for one batched count (see _count_later)
 STORE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
                 "float64": torch.float64}
 
@@ -103,9 +107,10 @@ class UnitStats:
     kept_dense: int = 0         # >= min_bytes but kept as is: a bitmap would not be smaller, or not its own memory
     small: int = 0              # below min_bytes: kept as is
     double_masked: int = 0      # BatchNorm inputs stored through the next activation's mask (doublemask)
-    mask_only: int = 0          # pre-activation copies stored as a 1-bit mask (doublemask)
+    mask_only: int = 0          # in-place ReLU6 input copies: read from the stored output, or a 1-bit mask (doublemask)
     dense_bytes: int = 0        # what plain training holds for these tensors
     stored_bytes: int = 0       # what is held instead
+    # numel, nnz, theoretical_bytes: over the activations considered for a bitmap (all but mask_only)
     numel: int = 0
     nnz: int = 0                # elements a bitmap keeps (non-zero bit pattern and, if pruning, |x| >= threshold)
     theoretical_bytes: int = 0  # the paper's M_b = itemsize * nnz + numel / 8, summed (value itemsize as stored)
@@ -142,8 +147,8 @@ class _Kept:
         return self.tensor.numel() * self.tensor.element_size()
 
     def unpack(self) -> Tensor:
-        check_saved_version(self.tensor, self.version)
-        return self.tensor
+        t = self.tensor
+        return t if t._version == self.version else check_saved_version(t, self.version)   # (raises)
 
 
 class _Narrowed:
@@ -242,15 +247,14 @@ class _Packed:
         src = self.source()
         if src is not None:
             check_saved_version(src, self.version)
+        return self.restore()
+
+    def restore(self) -> Tensor:
+        """The stored tensor, restored once (no version check: for readers of the saved value itself)."""
         if not self.restored:     # (no grad mode needed: the stored data never requires grad)
             d = self.data
             self.data = d.decompress() if isinstance(d, BitmapTensor) else d.to(self.dtype)
         return self.data
-
-
-def unpack_saved(packed: Any) -> Tensor:
-    """The tensor a pack result stands for (what backward will see)."""
-    return packed.unpack() if hasattr(packed, "unpack") else packed
 
 
 # ----------------------------------------------------------------------------- the context
@@ -282,7 +286,8 @@ class CompressedActivations:
         # Parameters and buffers of the units (and `exclude`): recognised by storage address,
         # pinned so that the addresses stay theirs while this object lives.
         # (one walk over the modules: this runs once per training step)
-        self._pinned = [t for m in self._modules for mod in m.modules()
+        self._submodules = list({id(s): s for m in self._modules for s in m.modules()}.values())
+        self._pinned = [t for mod in self._submodules
                         for t in (*mod._parameters.values(), *mod._buffers.values()) if t is not None] + list(exclude)
         self._excluded = {t.data_ptr() - t.storage_offset() * t.element_size() for t in self._pinned if t.numel() > 0}
         self.stats: dict[str, UnitStats] = {name: UnitStats() for name, _ in self.unit_pairs}
@@ -295,6 +300,9 @@ class CompressedActivations:
         self._tracker: UnitTracker | None = None
         self._hooks: Any = None
         self._dm: Any = None
+        self.awaiting_output: Any = None     # a doublemask._MaskOnly waiting to see the next saved tensor
+        self._to_count: list[tuple[Tensor, UnitStats, int]] = []   # small tensors not counted yet
+        self._to_count_bytes = 0
         if self.double_mask and not self._modules:
             log.warning("double_mask needs the model (units=model or (name, module) pairs) to find its "
                         "BatchNorm and activation modules; without it only plain compression is applied")
@@ -306,10 +314,10 @@ class CompressedActivations:
         self._tracker = UnitTracker(self.unit_pairs, model=self._model).__enter__()
         if (self.double_mask or self.activation_masks) and self._modules:
             from .doublemask import DoubleMask   # local: doublemask imports this module
-            dm = DoubleMask(self, self._modules, bn_rules=self.double_mask)
+            dm = DoubleMask(self, self._submodules, bn_rules=self.double_mask)
             if dm.bns or dm.acts:                # (no module of interest: no per-tensor checks at all)
                 self._dm = dm.__enter__()
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack_saved)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
 
@@ -325,6 +333,7 @@ class CompressedActivations:
             self._seen = {}
             with torch.no_grad():
                 self._narrow_pending()
+            self._count_pending()
 
     # -- pack
     def is_activation(self, t: Tensor) -> bool:
@@ -347,6 +356,8 @@ class CompressedActivations:
         # no grad mode needed: everything below works on detached tensors (t.detach() first)
         if self._to_narrow:
             self._narrow_pending()
+        if self.awaiting_output is not None:
+            self.resolve_awaiting(t)
         if not self.is_activation(t):
             self.not_activations += 1
             if self.narrow_indices and t.dtype == torch.int64:
@@ -359,16 +370,32 @@ class CompressedActivations:
             holder = entry[2]()
             if holder is not None:
                 return holder
-        if self._dm is not None:
+        if self._dm is not None and self._dm.in_call:
             special = self._dm.pack(t, stats)        # (only makes holders of detached tensors)
             if special is not None:
                 return special
+        return self.store_shared(t, stats)
+
+    def store_shared(self, t: Tensor, stats: UnitStats) -> _Kept | _Packed:
+        """store(t), remembered: later saves of the same tensor (same version) get this holder."""
         holder = self.store(t, stats)
         self._seen[id(t)] = (weakref.ref(t), t._version, weakref.ref(holder))
         if self._dm is not None and self._dm.waiting:
             with torch.no_grad():                    # may finish a BatchNorm input (computes)
                 self._dm.stored(t, holder)
         return holder
+
+    def _unpack(self, packed: Any) -> Tensor:
+        if self._to_count:      # backward has begun: count the small tensors while their holders still keep them
+            self._count_pending()
+        return packed.unpack()
+
+    def resolve_awaiting(self, t: Tensor | None) -> None:
+        """An in-place ReLU6's input copy waits for the next save (t), which may be its output."""
+        waiting, self.awaiting_output = self.awaiting_output, None
+        if waiting is not None:
+            with torch.no_grad():
+                waiting.resolve(t)
 
     def store(self, t: Tensor, stats: UnitStats) -> _Kept | _Packed:
         """Store activation t (no deduplication): bitmap, store_dtype copy, or as is; update stats."""
@@ -379,15 +406,18 @@ class CompressedActivations:
         stats.numel += n
         value_size = self.store_dtype.itemsize if self.store_dtype is not None else itemsize
         d = t.detach()
-        if dense < self.min_bytes or not _owns_exactly(d):
+        if dense < self.min_bytes:
+            stats.small += 1
+            stats.stored_bytes += dense
+            stats.theoretical_bytes += math.ceil(n / 8)
+            self._count_later(d, stats, value_size)
+            return _Kept(t)
+        if not _owns_exactly(d):
             nnz = count_kept(d, self.threshold)
             stats.nnz += nnz
             stats.theoretical_bytes += value_size * nnz + math.ceil(n / 8)
             stats.stored_bytes += dense
-            if dense < self.min_bytes:
-                stats.small += 1
-            else:
-                stats.kept_dense += 1
+            stats.kept_dense += 1
             return _Kept(t)
         flat, stride = _flat(d)
         cast_bytes = n * value_size
@@ -409,6 +439,29 @@ class CompressedActivations:
         stats.stored_bytes += holder.nbytes
         return holder
 
+    def _count_later(self, d: Tensor, stats: UnitStats, value_size: int) -> None:
+        """Small tensors' non-zeros are counted in batches: one kernel call per tensor (MobileNetV2 saves
+        ~100 BatchNorm means and inverse stds a step) cost more than counting them. A batch is counted
+        when backward begins (the first unpack: until then their holders keep them alive anyway), at
+        the end of the block, or when it reaches SMALL_BATCH_BYTES (a bound on what it keeps alive)."""
+        self._to_count.append((d, stats, value_size))
+        self._to_count_bytes += d.numel() * d.element_size()
+        if self._to_count_bytes >= SMALL_BATCH_BYTES:
+            self._count_pending()
+
+    def _count_pending(self) -> None:
+        pending, self._to_count, self._to_count_bytes = self._to_count, [], 0
+        if not pending:
+            return
+        if kernel.available() and all(d.is_cpu and d.dtype in kernel.FLOAT_DTYPES and d.is_contiguous()
+                                      for d, _, _ in pending):
+            counts = kernel.count_each([d for d, _, _ in pending], self.threshold)
+        else:
+            counts = [count_kept(d, self.threshold) for d, _, _ in pending]
+        for (_, stats, value_size), nnz in zip(pending, counts):
+            stats.nnz += nnz
+            stats.theoretical_bytes += value_size * nnz
+
     def store_index(self, t: Tensor) -> _Kept | _Narrowed:
         """An int64 tensor (max-pool indices): in int16/int32 when its values fit, else as is."""
         d = t.detach()
@@ -429,6 +482,7 @@ class CompressedActivations:
     # -- reporting
     def total(self) -> UnitStats:
         """All units' stats added up."""
+        self._count_pending()
         out = UnitStats()
         for s in self.stats.values():
             out.add(s)
@@ -436,6 +490,7 @@ class CompressedActivations:
 
     def summary(self) -> dict[str, Any]:
         """Plain dicts: the options, the total, and per unit (in unit order; OUTSIDE_UNITS last)."""
+        self._count_pending()
         return {
             "options": {"threshold": self.threshold, "min_bytes": self.min_bytes, "narrow_indices": self.narrow_indices,
                         "store_dtype": str(self.store_dtype).removeprefix("torch.") if self.store_dtype else None,
@@ -466,8 +521,9 @@ def compressed_activations(threshold: float = 0.0, min_bytes: int = 4096, store_
     or (name, module) pairs; None attributes everything to "(outside units)".
     exclude: more tensors never to compress (e.g. a batch the caller keeps anyway).
     narrow_indices: store int64 index tensors (max-pool indices) as int16/int32 when they fit (exact).
-    activation_masks: the input copy an in-place ReLU6/Hardtanh saves is held as its 1-bit pass mask
-    (exact: its backward reads nothing else; rule 1 of edgeflux.bittrain.doublemask). Needs units.
+    activation_masks: the input copy an in-place ReLU6/Hardtanh saves is served from its stored output
+    (lossless storage) or held as its 1-bit pass mask (exact: its backward reads nothing else; rule 1 of
+    edgeflux.bittrain.doublemask). Needs units.
     """
     return CompressedActivations(threshold=threshold, min_bytes=min_bytes, store_dtype=store_dtype,
                                  double_mask=double_mask, units=units, exclude=exclude, narrow_indices=narrow_indices,

@@ -105,6 +105,11 @@ def count(flat: torch.Tensor, threshold: float, block: int) -> int:
     return torch.ops.edgeflux_bitmap.compress(flat, float(threshold), None, 0, block)[2]
 
 
+def count_each(tensors: list[torch.Tensor], threshold: float) -> list[int]:
+    """Elements each contiguous CPU float tensor keeps, in one call (for many small tensors)."""
+    return torch.ops.edgeflux_bitmap.count_each(tensors, float(threshold))
+
+
 def decompress_into(bitmap: torch.Tensor, values: torch.Tensor, block: int, out: torch.Tensor) -> None:
     torch.ops.edgeflux_bitmap.decompress_into(bitmap, values, block, out)
 
