@@ -62,7 +62,7 @@ from torch import Tensor, nn
 from edgeflux.memory import check_saved_version
 
 from . import kernel
-from .bitmap import BitmapTensor, _flat, _pack, _unpack, count_kept
+from .bitmap import BitmapTensor, _flat, _pack, _unpack
 from .hooks import UnitStats, _Kept, _Packed
 
 if TYPE_CHECKING:
