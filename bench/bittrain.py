@@ -39,6 +39,7 @@ from edgeflux.bittrain import BitTrainOptions, compress, kernel  # noqa: E402
 from edgeflux.data import batches, load_raw, prepare, tensors  # noqa: E402
 from edgeflux.memory import measure_training_peak, retain_freed_heap, track_live_tensors  # noqa: E402
 from edgeflux.models import build_model  # noqa: E402
+from edgeflux.report import BarPanel, plot_bar_panels  # noqa: E402
 
 NAME = "bittrain"
 MiB = 2**20
@@ -219,7 +220,9 @@ def model_rows(key: str, width: float, batch: int, reps: int, data, variants: li
                    "dense_bytes": s["dense_bytes"] if s else None, "achieved_bytes": s["stored_bytes"] if s else None,
                    "theoretical_bytes": s["theoretical_bytes"] if s else None,
                    "sparsity": s["sparsity"] if s else None, "compressed": s["compressed"] if s else None,
-                   "double_masked": s["double_masked"] if s else None, "mask_only": s["mask_only"] if s else None}
+                   "double_masked": s["double_masked"] if s else None, "mask_only": s["mask_only"] if s else None,
+                   "units": {u: {"dense_bytes": d["dense_bytes"], "stored_bytes": d["stored_bytes"]}
+                             for u, d in cap.last.summary()["units"].items()} if s else None}
         progress.advance(task)
     dense_peak, dense_fwd = rows["dense"]["peak_bytes"], rows["dense"]["forward_live_bytes"]
     for r in rows.values():
@@ -306,6 +309,29 @@ def train_accuracy(key: str, variant: str, steps: int, batch: int, train, test) 
 
 
 # ----------------------------------------------------------------------------- report
+
+PLOT_VARIANTS = ("bitmap", "prune 0.05", "fp16", "double_mask")
+
+
+def plot_panels(train: list[dict], acc: list[dict], batch: int, acc_steps: int) -> list[BarPanel]:
+    """Saved activation bytes per unit, plain vs stored per variant, for each model at the main width and
+    batch (the paper's Figure 9), and test accuracy per variant (its Figure 10)."""
+    panels = []
+    for key in dict.fromkeys(r["model"] for r in train):
+        rows = {r["variant"]: r for r in train if (r["model"], r["width"], r["batch"]) == (key, 0.25, batch)}
+        if "bitmap" not in rows:
+            continue
+        per_unit = rows["bitmap"]["units"]
+        units = [u for u, d in per_unit.items() if d["dense_bytes"]]
+        series = {"plain autograd": [per_unit[u]["dense_bytes"] for u in units]}
+        series |= {v: [rows[v]["units"][u]["stored_bytes"] for u in units] for v in PLOT_VARIANTS if v in rows}
+        panels.append(BarPanel(f"{key} w0.25 b{batch}: saved activations per unit", units, series))
+    if acc:
+        panels.append(BarPanel(f"test accuracy after {acc_steps} steps (batch {batch})",
+                               [f"{r['model']}\n{r['variant']}" for r in acc],
+                               {"test accuracy": [r["test_accuracy"] for r in acc]}, ylabel="test accuracy", scale=1))
+    return panels
+
 
 def mib(n) -> str:
     return "" if n is None else f"{n / MiB:.2f}"
@@ -447,14 +473,17 @@ max-pool indices int64 (narrow_indices=False), to show what narrowing them to in
 "hooks only": torch.autograd.graph.saved_tensors_hooks that return every tensor as it is: what PyTorch's hook
 mechanism itself costs (a Python call per saved tensor and per restore); the rest of a bitmap row's overhead is
 BitTrain's own work.
+Plot ({png}): saved activation bytes per unit for each model, plain autograd vs what each variant stores (the
+paper's Figure 9), and test accuracy per variant (its Figure 10).
 page faults/step: minor page faults of the process during a timed step (each a fresh 4 KiB page from the kernel:
 glibc returns large freed blocks to the OS, so every step's re-allocations fault again unless --malloc retain).
 """
     name, title = NAME, "BitTrain: sparse bitmap activations, Table 1 and whole training steps"
     if args.malloc == "retain":
         name, title = f"{NAME}_retain", title + " (glibc malloc keeps freed heap memory)"
+    plot_bar_panels(plot_panels(train, acc, cfg["batch"], acc_steps), Path(args.out) / f"{name}.png", title=title)
     result.write(name, args.out, title=title,
-                 md_rows=md_train, notes=notes + f"torch intra-op threads: {torch.get_num_threads()}; "
+                 md_rows=md_train, notes=notes.replace("{png}", f"{name}.png") + f"torch intra-op threads: {torch.get_num_threads()}; "
                                                  f"C++ kernel loaded: {kernel.available()}; malloc: {args.malloc}.\n",
                  extra={"copy_bandwidth": bandwidth, "targets": tg,
                         "config": {k: v for k, v in cfg.items()}})

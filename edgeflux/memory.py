@@ -420,7 +420,8 @@ class StepMemory:
     activation_storage: dict | None = None   # the step context's own accounting (e.g. BitTrain's summary)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        # unit_order: saved_by_unit's keys in model order (JSON files are written with sorted keys)
+        return {**asdict(self), "unit_order": list(self.saved_by_unit)}
 
 
 def _tensors_of_state(optimizer: torch.optim.Optimizer | None) -> Iterator[Tensor]:

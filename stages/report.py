@@ -1,17 +1,21 @@
-"""Stage report: the summary table (reports/summary.md) and accuracy-vs-time plot of every stage.
+"""Stage report: the summary table (reports/summary.md), the accuracy-vs-time plot of every stage and
+the memory plot (reports/memory.png: train_bp's measured peak by kind and saved activations per unit,
+NeuroFlux's measured peak per block against the budget).
 
 `python -m stages.report --show` prints the last summary without recomputing it (the Makefile's
 `run` target does this after `dvc repro`, which skips the stage when nothing changed).
 """
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
-from edgeflux.report import markdown_table, plot_accuracy_vs_time, summary_rows
+from edgeflux.report import markdown_table, memory_panels, plot_accuracy_vs_time, plot_bar_panels, summary_rows
 from stages.common import run_stage, stage_parser
 
-SUMMARY, PLOT = Path("reports/summary.md"), Path("reports/accuracy_vs_time.png")
+SUMMARY, PLOT, MEMORY_PLOT = Path("reports/summary.md"), Path("reports/accuracy_vs_time.png"), Path("reports/memory.png")
+MEMORY_SOURCES = {"train_bp_memory": Path("memory/train_bp.json"), "train_blocks": Path("metrics/train_blocks.json")}
 CURVES = {"backprop (train_bp)": Path("plots/train_bp.csv"), "NeuroFlux (train_blocks)": Path("plots/train_blocks.csv")}
 
 
@@ -21,7 +25,7 @@ def show() -> None:
     if not SUMMARY.exists():
         sys.exit(f"error: {SUMMARY} does not exist yet; run `dvc repro` first")
     print(SUMMARY.read_text())  # plain markdown: readable in any terminal width, pastes into notes
-    print(f"Plot: {PLOT}\nBrowse every run in MLflow:  {ui_command()}  (then open http://127.0.0.1:5000)")
+    print(f"Plots: {PLOT}, {MEMORY_PLOT}\nBrowse every run in MLflow:  {ui_command()}  (then open http://127.0.0.1:5000)")
 
 
 def main(args, params) -> None:
@@ -38,8 +42,12 @@ def main(args, params) -> None:
                              "Peaks are measured (live tensor bytes of a steady-state training step on CPU; "
                              "the CUDA allocator's peak on GPU).\n")
         plot_accuracy_vs_time(CURVES, PLOT, target_acc=params.report.target_acc)
-        run.log_artifact(SUMMARY)
-        run.log_artifact(PLOT)
+        sources = {k: json.loads(path.read_text()) for k, path in MEMORY_SOURCES.items() if path.exists()}
+        if panels := memory_panels(**sources):
+            plot_bar_panels(panels, MEMORY_PLOT, title="edgeflux pipeline: measured training memory")
+        for path in (SUMMARY, PLOT, MEMORY_PLOT):
+            if path.exists():
+                run.log_artifact(path)
 
 
 if __name__ == "__main__":

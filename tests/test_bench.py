@@ -48,6 +48,12 @@ def test_bittrain_quick_writes_table1_and_training_rows(tmp_path):
     assert train["bitmap"]["peak_bytes"] < train["dense"]["peak_bytes"]
     assert train["prune 0.1"]["achieved_bytes"] < train["bitmap"]["achieved_bytes"]
     assert "| vgg16_nobn |" in (tmp_path / "bittrain.md").read_text()
+    # per-unit accounting behind the plot adds up to the row's totals
+    for v in ("bitmap", "prune 0.1"):
+        units = train[v]["units"].values()
+        assert sum(u["stored_bytes"] for u in units) == train[v]["achieved_bytes"]
+        assert sum(u["dense_bytes"] for u in units) == train[v]["dense_bytes"]
+    assert (tmp_path / "bittrain.png").stat().st_size > 10_000
 
 
 def test_neuroflux_quick_compares_three_methods_at_equal_budgets(tmp_path):

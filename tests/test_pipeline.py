@@ -63,6 +63,7 @@ def test_repro_then_noop_then_exp_run(project):
     assert curve[0] == "step,epoch,time_s,train_loss,val_acc" and len(curve) == 3
     assert "| train_bp | target (device) | vgg11-w0.125 |" in (project / "reports/summary.md").read_text()
     assert (project / "reports/accuracy_vs_time.png").stat().st_size > 10_000
+    assert (project / "reports/memory.png").stat().st_size > 10_000
 
     # NeuroFlux: every block's measured step within the budget, caches as a DVC output, a compact exit
     blocks = json.loads((project / "partition/blocks.json").read_text())["blocks"]
