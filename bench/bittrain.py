@@ -210,7 +210,8 @@ def model_rows(key: str, width: float, batch: int, reps: int, data, variants: li
     for v in variants:
         cap = Captured(VARIANTS[v])
         mem = measure_training_peak(model, sgd, SAMPLE_SHAPE, NUM_CLASSES, batch, data=(x, y), context=cap)
-        s = cap.last.summary()["total"] if hasattr(cap.last, "summary") else None
+        summary = cap.last.summary() if hasattr(cap.last, "summary") else None
+        s = summary["total"] if summary else None
         fwd = forward_live_bytes(model, x, y, VARIANTS[v])
         rows[v] = {"case": f"{key} w{width:g} b{batch} {v}", "part": "train", "model": key, "width": width,
                    "batch": batch, "variant": v, "peak_bytes": mem.peak_bytes,
@@ -222,7 +223,7 @@ def model_rows(key: str, width: float, batch: int, reps: int, data, variants: li
                    "sparsity": s["sparsity"] if s else None, "compressed": s["compressed"] if s else None,
                    "double_masked": s["double_masked"] if s else None, "mask_only": s["mask_only"] if s else None,
                    "units": {u: {"dense_bytes": d["dense_bytes"], "stored_bytes": d["stored_bytes"]}
-                             for u, d in cap.last.summary()["units"].items()} if s else None}
+                             for u, d in summary["units"].items()} if s else None}
         progress.advance(task)
     dense_peak, dense_fwd = rows["dense"]["peak_bytes"], rows["dense"]["forward_live_bytes"]
     for r in rows.values():
