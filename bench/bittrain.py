@@ -37,12 +37,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from bench.common import BenchResult, bench_argparser  # noqa: E402
 from edgeflux.bittrain import BitTrainOptions, compress, kernel  # noqa: E402
 from edgeflux.data import batches, load_raw, prepare, tensors  # noqa: E402
-from edgeflux.memory import measure_training_peak, retain_freed_heap, track_live_tensors  # noqa: E402
+from edgeflux.memory import MiB, measure_training_peak, retain_freed_heap, track_live_tensors  # noqa: E402
 from edgeflux.models import build_model  # noqa: E402
 from edgeflux.report import BarPanel, plot_bar_panels  # noqa: E402
 
 NAME = "bittrain"
-MiB = 2**20
 TABLE1_SHAPES = ((3, 224, 224), (7, 112, 112), (64, 56, 56), (128, 28, 28), (256, 14, 14), (512, 7, 7))
 DENSITIES = (0.0, 0.25, 0.5, 0.75, 1.0)
 MODELS = {"vgg16_nobn": ("vgg16", {"batch_norm": False}), "vgg16_bn": ("vgg16", {}),
@@ -483,9 +482,9 @@ glibc returns large freed blocks to the OS, so every step's re-allocations fault
     if args.malloc == "retain":
         name, title = f"{NAME}_retain", title + " (glibc malloc keeps freed heap memory)"
     plot_bar_panels(plot_panels(train, acc, cfg["batch"], acc_steps), Path(args.out) / f"{name}.png", title=title)
-    result.write(name, args.out, title=title,
-                 md_rows=md_train, notes=notes.replace("{png}", f"{name}.png") + f"torch intra-op threads: {torch.get_num_threads()}; "
-                                                 f"C++ kernel loaded: {kernel.available()}; malloc: {args.malloc}.\n",
+    notes = notes.replace("{png}", f"{name}.png") + (f"torch intra-op threads: {torch.get_num_threads()}; "
+                                                     f"C++ kernel loaded: {kernel.available()}; malloc: {args.malloc}.\n")
+    result.write(name, args.out, title=title, md_rows=md_train, notes=notes,
                  extra={"copy_bandwidth": bandwidth, "targets": tg,
                         "config": {k: v for k, v in cfg.items()}})
 

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 
 from bench.common import BenchResult, bench_argparser  # noqa: E402
-from edgeflux.memory import fit_linear, measure_training_peak  # noqa: E402
+from edgeflux.memory import MiB, fit_linear, measure_training_peak  # noqa: E402
 from edgeflux.models import build_model  # noqa: E402
 
 NAME = "memory_baseline"
@@ -34,7 +34,6 @@ MODELS = ("vgg16", "resnet18", "mobilenet_v2")
 SAMPLE_SHAPE, NUM_CLASSES = (1, 32, 32), 10
 FULL = {"widths": (0.25, 1.0), "batches": (1, 8, 16, 32, 64)}
 QUICK = {"widths": (0.25,), "batches": (1, 4, 8, 16)}
-MiB = 2**20
 
 
 def sgd_momentum(params):

@@ -56,6 +56,7 @@ from torch.utils._pytree import tree_map_only
 
 log = logging.getLogger(__name__)
 
+MiB = 2**20
 OUTSIDE_UNITS = "(outside units)"   # saved bytes of ops that run in no unit (e.g. the loss)
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edgeflux.memory import OUTSIDE_UNITS, format_bytes
+from edgeflux.memory import OUTSIDE_UNITS, MiB, format_bytes
 
 COLUMNS = ["stage", "data", "model", "batch", "budget", "measured peak", "train s", "to target s", "test acc"]
 
@@ -95,8 +95,6 @@ def plot_accuracy_vs_time(curves: dict[str, Path], out: Path, target_acc: float 
 
 
 # ----------------------------------------------------------------------------- bar charts (memory per unit)
-
-MiB = 2**20
 
 
 @dataclass
