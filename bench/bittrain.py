@@ -378,16 +378,19 @@ def main(argv=None) -> None:
     parser = bench_argparser(__doc__)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS), metavar="MODEL",
                         help=f"models for the training-step part (default: all of {', '.join(MODELS)})")
-    parser.add_argument("--acc-steps", type=int, default=None, help="training steps per accuracy run")
+    parser.add_argument("--acc-steps", type=int, default=None,
+                        help=f"training steps per accuracy run (default: {FULL['acc_steps']}; --quick: {QUICK['acc_steps']})")
     parser.add_argument("--malloc", choices=["default", "retain"], default="default",
                         help="glibc malloc as it comes (default), or told to keep freed heap memory for reuse "
                              "(edgeflux.memory.retain_freed_heap: no page faults on every step's re-allocations, "
                              "for dense and bitmap alike); results go to bittrain_retain.{json,md}")
     args = parser.parse_args(argv)
+    if args.acc_steps is not None and args.acc_steps < 1:
+        parser.error(f"--acc-steps must be >= 1, got {args.acc_steps}")
     if args.malloc == "retain" and not retain_freed_heap():
         raise SystemExit("--malloc retain needs glibc's malloc (Linux with glibc)")
     cfg = QUICK if args.quick else FULL
-    acc_steps = args.acc_steps or cfg["acc_steps"]
+    acc_steps = args.acc_steps if args.acc_steps is not None else cfg["acc_steps"]
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -418,11 +421,11 @@ def main(argv=None) -> None:
     for r in t1 + train + acc:
         result.add(**r)
     md_train = [{"model": r["model"], "width": f"{r['width']:g}", "batch": r["batch"], "variant": r["variant"],
-                 "peak": mib(r["peak_bytes"]), "peak Δ": pct(-r["peak_reduction"]) if r["variant"] != "dense" else "",
-                 "fwd live": mib(r["forward_live_bytes"]),
+                 "peak MiB": mib(r["peak_bytes"]), "peak Δ": pct(-r["peak_reduction"]) if r["variant"] != "dense" else "",
+                 "fwd live MiB": mib(r["forward_live_bytes"]),
                  "fwd live Δ": pct(-r["forward_live_reduction"]) if r["variant"] != "dense" else "",
-                 "saved (dense)": mib(r["dense_bytes"] if r["dense_bytes"] is not None else r["saved_bytes_measured"]),
-                 "stored": mib(r["achieved_bytes"]), "theoretical": mib(r["theoretical_bytes"]),
+                 "saved (dense) MiB": mib(r["dense_bytes"] if r["dense_bytes"] is not None else r["saved_bytes_measured"]),
+                 "stored MiB": mib(r["achieved_bytes"]), "theoretical MiB": mib(r["theoretical_bytes"]),
                  "saved Δ": pct(-r["saved_reduction"]) if r["saved_reduction"] is not None else "",
                  "sparsity": pct(r["sparsity"]), "step time": f"{1e3 * r['step_time_s']:.0f} ms",
                  "ratio": f"{r['step_time_ratio']:.2f}", "page faults/step": f"{r['page_faults_per_step']:,.0f}"}
@@ -431,12 +434,12 @@ def main(argv=None) -> None:
         r["peak_bytes"] = next((t["peak_bytes"] for t in train if (t["model"], t["variant"], t["width"])
                                 == (r["model"], r["variant"], r["width"])), None)
     result.add_section(
-        f"Table 1 (paper): activation sizes at batch {cfg['table1_batch']}, MB = 2^20 bytes; copy bandwidth: "
+        f"Table 1 (paper): activation sizes at batch {cfg['table1_batch']}, sizes in MiB (2^20 bytes); copy bandwidth: "
         f"clone {bandwidth['clone_gbps']:.2f} GB/s, copy_ {bandwidth['copy_gbps']:.2f} GB/s",
         [{"activation": f"{r['batch']}x{'x'.join(map(str, r['shape']))}", "elements": f"{r['numel']:,}",
-          "non-zero": pct(r["nonzero"]), "dense MB": mib(r["dense_bytes"]),
-          "theoretical MB": mib(r["theoretical_bytes"]),
-          "achieved MB": mib(r["achieved_bytes"]), "measured MB": mib(r["measured_live_bytes"]),
+          "non-zero": pct(r["nonzero"]), "dense MiB": mib(r["dense_bytes"]),
+          "theoretical MiB": mib(r["theoretical_bytes"]),
+          "achieved MiB": mib(r["achieved_bytes"]), "measured MiB": mib(r["measured_live_bytes"]),
           "improv. theor.": pct(r["improvement_theoretical"]), "improv. measured": pct(r["improvement_achieved"]),
           "compress GB/s": f"{r['compress_gbps']:.2f}", "decompress GB/s": f"{r['decompress_gbps']:.2f}",
           "compress / clone": pct(r["compress_frac_of_clone"]),

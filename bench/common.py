@@ -124,6 +124,10 @@ class BenchResult:
         return json_path, md_path
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and every flag's default after its help."""
+
+
 def bench_argparser(description: str) -> argparse.ArgumentParser:
     """The flags every benchmark takes (--quick, --out); add the benchmark's own to the result."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 
 from bench.common import BenchResult, bench_argparser  # noqa: E402
-from edgeflux.memory import MiB, fit_linear, measure_training_peak  # noqa: E402
+from edgeflux.memory import MiB, fit_linear, measure_training_peak, saved_bytes_by_node  # noqa: E402
 from edgeflux.models import build_model  # noqa: E402
 
 NAME = "memory_baseline"
@@ -55,8 +55,15 @@ def parse_args(argv=None):
     preset = QUICK if args.quick else FULL
     args.widths = tuple(args.widths or preset["widths"])
     args.batches = tuple(sorted(set(args.batches or preset["batches"])))
+    if len(args.batches) < 2 or args.batches[0] < 1:   # the per-sample line needs two points
+        parser.error(f"--batches needs at least two different batch sizes, each >= 1; got {list(args.batches)}")
+    if any(w <= 0 for w in args.widths):
+        parser.error(f"--widths must be > 0, got {list(args.widths)}")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch finds no CUDA device here (torch.cuda.is_available() is False); "
+                     "use --device cpu or auto")
     return args
 
 
@@ -75,6 +82,22 @@ def measure_all(args) -> list[dict]:
                 rows.append({"model": name, "width": width, "batch": batch, **mem.to_dict()})
                 progress.advance(task)
     return rows
+
+
+def saved_by_node(args) -> list[dict]:
+    """Saved-for-backward bytes per autograd node type at the largest batch (edgeflux.memory.saved_bytes_by_node)."""
+    out = []
+    batch = max(args.batches)
+    for name, width in [(m, w) for m in args.models for w in args.widths]:
+        torch.manual_seed(0)
+        model = build_model(name, num_classes=NUM_CLASSES, in_channels=SAMPLE_SHAPE[0], width=width,
+                            image_size=SAMPLE_SHAPE[1]).to(args.device).train()
+        x = torch.randn(batch, *SAMPLE_SHAPE, device=args.device)
+        y = torch.randint(0, NUM_CLASSES, (batch,), device=args.device)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        by = saved_bytes_by_node(loss, [*model.parameters(), *model.buffers()])
+        out.append({"model": name, "width": width, "batch": batch, "total_bytes": sum(by.values()), "by_node": by})
+    return out
 
 
 def fits(rows: list[dict]) -> list[dict]:
@@ -129,6 +152,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     rows = measure_all(args)
     fitted = fits(rows)
+    by_node = saved_by_node(args)
 
     result = BenchResult()
     for r in rows:
@@ -146,13 +170,21 @@ def main(argv=None) -> None:
         {"model": "model", "width": "width", "slope": "slope KiB/sample", "saved": "saved-for-backward KiB/sample",
          "intercept": "intercept MiB", "r2": "R²", "share": "activation share of peak at largest batch"})
 
+    result.add_section(f"Saved-for-backward bytes by autograd node at batch {max(args.batches)} (the four largest)", [
+        {"model": r["model"], "width": f"{r['width']:g}", "node": node, "saved": mib(n),
+         "share": f"{100 * n / r['total_bytes']:.1f}%"} for r in by_node for node, n in list(r["by_node"].items())[:4]],
+        {"model": "model", "width": "width", "node": "autograd node", "saved": "saved MiB",
+         "share": "share of saved bytes"})
+
     method = "CUDA allocator peak (torch.cuda.max_memory_allocated)" if args.device == "cuda" else \
         "exact peak of live tensor bytes (edgeflux.memory, TorchDispatchMode tracker)"
     notes = f"""All sizes in MiB (2^20 bytes). Peak: {method}, one SGD-momentum (0.9) training step in steady state
 (after one warm-up step), random inputs of shape [batch, {', '.join(map(str, SAMPLE_SHAPE))}], {NUM_CLASSES} classes.
 params/grads/opt/buffers: bytes of those tensors alive at the moment of the peak (gradients can be partial when the
 peak falls inside backward); acts = peak − params − grads − opt − buffers (saved activations, temporaries, the batch).
-saved: bytes saved for backward (deduplicated by storage, parameters and buffers excluded).
+saved: bytes saved for backward (deduplicated by storage, parameters and buffers excluded). By autograd node: the same
+bytes read from the graph of one forward (edgeflux.memory.saved_bytes_by_node; a tensor several nodes save counts
+once, for the node nearest the loss); HardtanhBackward0 holds the input copies MobileNetV2's in-place ReLU6 saves.
 rss: process peak RSS during the step (1 ms sampling), a cross-check of the whole process (interpreter, libraries,
 allocator caches), not the exact figure. Plot: {NAME}.png."""
     columns = {"model": "model", "width": "width", "batch": "batch", "peak": "peak", "params": "params",
@@ -162,7 +194,7 @@ allocator caches), not the exact figure. Plot: {NAME}.png."""
                 "optimizer": "SGD(lr=0.01, momentum=0.9)", "sample_shape": SAMPLE_SHAPE, "num_classes": NUM_CLASSES}
     json_path, md_path = result.write(NAME, args.out, title="Measured peak training memory vs batch size",
                                       columns=columns, notes=notes, md_rows=md_rows,
-                                      extra={"settings": settings, "fits": fitted})
+                                      extra={"settings": settings, "fits": fitted, "saved_by_node": by_node})
     plot(rows, fitted, Path(args.out) / f"{NAME}.png")
     print(md_path.read_text())
     print(f"wrote {json_path}, {md_path} and {Path(args.out) / f'{NAME}.png'}")

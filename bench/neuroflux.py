@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import BenchResult, RESULTS_DIR  # noqa: E402
+from bench.common import RESULTS_DIR, BenchResult, HelpFormatter  # noqa: E402
 from edgeflux.backprop import train_under_budget  # noqa: E402
 from edgeflux.config import MemoryOptions, NeuroFluxParams  # noqa: E402
 from edgeflux.data import load_raw, prepare, tensors  # noqa: E402
@@ -56,7 +56,7 @@ log = logging.getLogger("bench.neuroflux")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="CI-sized run: one narrow model, 512 training images, 1 epoch, two budgets")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="directory for neuroflux.{json,md,png}")
@@ -74,7 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="seconds of training after which classic local learning starts no new unit")
     parser.add_argument("--target-acc", type=float, default=0.85, help="target test accuracy for time-to-target")
     parser.add_argument("--max-batch", type=int, default=256, help="batch size limit B for every method")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (none given: torch's choice)")
     parser.add_argument("--combine", type=Path, nargs="+", default=None, metavar="JSON",
                         help="instead of running: merge neuroflux.json files of runs over different --models "
                              "(e.g. one process per core) into one result in --out")

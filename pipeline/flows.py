@@ -76,7 +76,9 @@ def pipeline(target: str | None = None) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default=None, help="run only this stage and the stages it depends on")
+    stages = list(stage_graph())   # (checked here: a bad name would otherwise fail after the server starts)
+    parser.add_argument("--target", default=None, choices=stages, metavar="STAGE",
+                        help=f"run only this stage and the stages it depends on; one of: {', '.join(stages)}")
     args = parser.parse_args()
     pipeline(args.target)
 

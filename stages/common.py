@@ -10,11 +10,13 @@ from collections.abc import Callable
 from rich.logging import RichHandler
 
 from edgeflux.config import Params, ParamsError, load_params
-from edgeflux.data import DatasetNotFoundError
+from edgeflux.data import DataParamsError, DatasetNotFoundError, PreparedDataError
 from edgeflux.memory import BudgetTooSmallError
+from edgeflux.neuroflux.profile import PoorFitError
 
 # Errors that are the user's to fix: shown as one message, no traceback.
-USER_ERRORS = (ParamsError, DatasetNotFoundError, BudgetTooSmallError, FileNotFoundError)
+USER_ERRORS = (ParamsError, DatasetNotFoundError, DataParamsError, PreparedDataError, BudgetTooSmallError,
+               PoorFitError, FileNotFoundError)
 
 
 def stage_parser(description: str) -> argparse.ArgumentParser:

@@ -22,8 +22,8 @@ PROFILE, BLOCKS, METRICS = Path("profile/memory.json"), Path("partition/blocks.j
 def main(args, params) -> None:
     p = params.neuroflux
     if p.budget is None:
-        raise ParamsError("params.yaml: neuroflux.budget is missing; NeuroFlux partitions a model under a memory "
-                          "budget: set it with a unit, e.g. neuroflux.budget: 16MB")
+        raise ParamsError(f"{args.params}: neuroflux.budget is not set (null or absent); NeuroFlux partitions a model "
+                          "under a memory budget: set it with a unit, e.g. neuroflux.budget: 16MB")
     profiles, meta = load_profile(PROFILE)
     with stage_run("partition", {"budget": p.budget, "max_batch": p.max_batch, "rho": p.rho}) as run:
         blocks = partition([(u.slope_bytes_per_sample, u.intercept_bytes) for u in profiles], p.budget, p.max_batch,

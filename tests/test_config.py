@@ -87,3 +87,26 @@ def test_duplicate_pretrain_models_rejected():
     raw["pretrain"]["models"] = [{"name": "resnet18", "width": 0.25}, {"name": "resnet18", "width": 0.25}]
     with pytest.raises(ParamsError, match="listed twice: resnet18-w0.25"):
         validate(raw)
+
+
+def test_cache_threshold_without_bittrain_storage_is_refused_before_training():
+    """A pruning threshold only means something for bitmap storage; caught when params are read, not after a block."""
+    import yaml
+
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    raw["neuroflux"]["cache"] = {"storage": "float16", "threshold": 0.1}
+    with pytest.raises(ParamsError, match="neuroflux.cache.*needs storage: bittrain.*set threshold: 0"):
+        validate(raw, where="params.yaml")
+    raw["neuroflux"]["cache"] = {"storage": "bittrain", "threshold": 0.1}
+    assert validate(raw, where="params.yaml").neuroflux.cache.threshold == 0.1
+
+
+def test_an_exponent_yaml_reads_as_text_gets_a_hint():
+    """PyYAML (YAML 1.1) reads `lr: 1e-3` as the string '1e-3': the error says how to write it."""
+    import yaml
+
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    raw["pretrain"]["lr"] = yaml.safe_load("lr: 1e-3")["lr"]
+    assert raw["pretrain"]["lr"] == "1e-3"
+    with pytest.raises(ParamsError, match=r"pretrain.lr = '1e-3'.*write it as 0.001 or with a dot, like 1.0e-3"):
+        validate(raw, where="params.yaml")

@@ -127,20 +127,32 @@ def test_missing_fashion_mnist_names_places_and_fixes(tmp_path, monkeypatch):
     (tmp_path / "debian").mkdir()
     (tmp_path / "cache").mkdir()
     with pytest.raises(DatasetNotFoundError) as err:
-        load_raw("fashion-mnist", root=tmp_path / "given")
+        load_raw("fashion-mnist")
     msg = str(err.value)
     assert isinstance(err.value, FileNotFoundError)
     assert "'fashion-mnist'" in msg
     assert "apt-get install -y dataset-fashion-mnist" in msg
     assert "data.download: true" in msg
-    for place in ("given", "given/FashionMNIST/raw", "debian", "cache/FashionMNIST/raw"):
+    for place in ("debian", "cache/FashionMNIST/raw"):
         assert str(tmp_path / place) in msg
+
+
+def test_a_data_root_without_the_dataset_is_an_error_not_a_fall_back(tmp_path, monkeypatch, decompressed):
+    """data.root names where the data is: when it is not there, another copy (here the Debian package's)
+    is not used in its place."""
+    monkeypatch.setattr(data, "DEBIAN_FASHION_MNIST", decompressed)
+    assert load_raw("fashion-mnist").sources                  # the fall-back copy is there...
+    with pytest.raises(DatasetNotFoundError) as err:
+        load_raw("fashion-mnist", root=tmp_path / "given")   # ...but not taken for a wrong root
+    msg = str(err.value)
+    for place in ("given", "given/FashionMNIST/raw"):
+        assert str(tmp_path / place) in msg
+    assert f"  - {decompressed}" not in msg and "data.root is set" in msg
 
 
 @pytest.mark.parametrize(
     "name, places",
-    [("cifar10", ["given/cifar-10-batches-py", "cache/cifar-10-batches-py"]),
-     ("mnist", ["given", "given/MNIST/raw", "cache/MNIST/raw"])],
+    [("cifar10", ["given/cifar-10-batches-py"]), ("mnist", ["given", "given/MNIST/raw"])],
 )
 def test_missing_other_datasets_suggest_download_not_apt(tmp_path, monkeypatch, name, places):
     monkeypatch.setenv("EDGEFLUX_DATA_DIR", str(tmp_path / "cache"))

@@ -106,6 +106,23 @@ def test_float16_storage_is_approximate_within_half_precision(tmp_path, acts):
     assert bit16.nbytes < write(tmp_path / "b32", x, y, storage="bittrain").nbytes
 
 
+@pytest.mark.parametrize("storage", ["float16", "bittrain"])
+def test_values_beyond_float16_keep_their_shard_in_full_precision(tmp_path, acts, storage, caplog):
+    """Half precision turns |x| >= 65520 into inf: such a shard is stored in the compute dtype, the rest in fp16."""
+    x, y = acts
+    x = x.clone()
+    x[150, 0, 0, 0], x[160, 1, 2, 3] = 1e5, -7e4          # both in the second shard (samples 100-199)
+    kw = {"storage": storage} if storage == "float16" else {"storage": storage, "value_dtype": torch.float16}
+    cache = write(tmp_path / storage, x, y, **kw)
+    assert [s["full_precision"] for s in cache.manifest["shards"]] == [False, True, False]
+    assert "beyond float16's range" in caplog.text
+    rx, _ = read_all(cache)
+    assert torch.isfinite(rx).all()
+    assert torch.equal(rx[100:200], x[100:200])                    # the overflowing shard: exact
+    assert torch.equal(rx[:100], x[:100].half().float())           # the others: fp16 as asked
+    assert torch.equal(rx[200:], x[200:].half().float())
+
+
 def test_bittrain_threshold_prunes(tmp_path, acts):
     x, y = acts
     cache = write(tmp_path / "c", x, y, storage="bittrain", threshold=0.1)

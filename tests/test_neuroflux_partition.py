@@ -113,6 +113,23 @@ def test_unit_that_cannot_fit_batch_1_names_itself_and_the_smallest_budget():
         unit_batch_sizes(models, 13000, 64)
 
 
+def test_numpy_numbers_are_taken_as_their_values():
+    """Profiles computed with numpy (np.float32 fits, np.int64 limits) give the same blocks as Python numbers."""
+    np = pytest.importorskip("numpy")
+    models = [(1000.0, 5000.0), (4000.0, 9000.5), (10.0, 20.0), (12.0, 22.0)]
+    expected = partition(models, 100_000, batch_limit=64, rho=0.4)
+    as_numpy = [(np.float64(a), np.float32(b)) for a, b in models]
+    assert partition(as_numpy, np.float32(100_000), batch_limit=np.int64(64), rho=np.float64(0.4)) == expected
+    assert all(type(b.batch_size) is int for b in expected)
+
+
+def test_a_measured_unit_error_does_not_claim_to_cover_every_unit():
+    err = UnitDoesNotFitError(10_000, 12_345, 3, unit_bytes=12_345, measured=True)
+    msg = str(err)
+    assert "unit 3 needs" in msg and "(measured)" in msg and "12345 bytes" in msg
+    assert "Every unit" not in msg and "a later unit may need more" in msg
+
+
 def test_argument_validation():
     models = [(1, 1)]
     for kwargs, text in [({"rho": -0.1}, "rho"), ({"batch_limit": 0}, "batch_limit"),

@@ -92,6 +92,31 @@ def test_every_block_measured_within_budget(trained):
     assert max(result.unit_val_acc) > 0.3   # MNIST after 2 short epochs per block: well above chance
 
 
+def test_finished_blocks_are_parked_without_gradients(trained):
+    """Only the block in training occupies the device (paper Section 3.1); a finished one keeps no grads."""
+    _, learners, _, _ = trained
+    assert all(p.grad is None and p.device.type == "cpu" for learner in learners for p in learner.parameters())
+
+
+def test_tensor_digest_sees_any_change_of_values_labels_or_order(mnist_subset):
+    from edgeflux.neuroflux.worker import tensor_digest
+
+    x, y = splits(mnist_subset)["train"]
+    base = tensor_digest(x, y)
+    assert tensor_digest(x.clone(), y.clone()) == base
+    assert tensor_digest(x.transpose(2, 3).contiguous().transpose(2, 3), y) == base   # layout does not matter
+    swapped = y.clone()
+    i, j = 0, int((y != y[0]).nonzero()[0])
+    swapped[i], swapped[j] = y[j], y[i]                   # same label sum, same values: a sum-based hash misses it
+    assert tensor_digest(x, swapped) != base
+    order = torch.arange(len(y))
+    order[[5, 6]] = order[[6, 5]]
+    assert tensor_digest(x[order], y[order]) != base
+    nudged = x.clone()
+    nudged.view(-1)[-1] += 1e-3
+    assert tensor_digest(nudged, y) != base
+
+
 def test_budget_below_the_planned_batch_lowers_the_batch(mnist_subset, tmp_path):
     _, learners = build_learners(SPEC, AUX)
     block = [Block(index=0, units=(0, 1), batch_size=64)]
@@ -99,6 +124,20 @@ def test_budget_below_the_planned_batch_lowers_the_batch(mnist_subset, tmp_path)
                           budget_bytes=3_000_000, cache=CacheOptions(shard_samples=64))
     b = result.blocks[0]
     assert b.batch_size < 64 and b.peak_bytes <= 3_000_000
+
+
+def test_cache_shards_are_sized_in_bytes(mnist_subset, tmp_path):
+    """neuroflux.cache.shard_size bounds a shard's bytes (what a reader holds a few of), whatever the block's output."""
+    assert CacheOptions(shard_size=10_000).samples_per_shard((16, 8, 8)) == 2          # 4,096 bytes a sample
+    assert CacheOptions(shard_size=10_000).samples_per_shard((16, 64, 64)) == 1        # never empty
+    assert CacheOptions(shard_size=10_000, shard_samples=7).samples_per_shard((16, 8, 8)) == 7
+    _, learners = build_learners(SPEC, AUX)
+    train_blocks(learners[:2], [Block(index=0, units=(0, 1), batch_size=16)], splits(mnist_subset, 64, 32),
+                 opts(epochs=1), workdir=tmp_path, cache=CacheOptions(shard_size=64 * 1024))
+    cache = ActivationCache.open(tmp_path / "block0" / "train")
+    sample_bytes = math.prod(cache.sample_shape) * 4
+    assert cache.manifest["shard_samples"] == 64 * 1024 // sample_bytes
+    assert cache.num_shards == math.ceil(64 / cache.manifest["shard_samples"]) > 1
 
 
 def test_cached_activations_are_the_trained_blocks_outputs(trained, mnist_subset):
@@ -229,6 +268,29 @@ def test_corrupt_cache_shard_is_detected_and_rebuilt(uninterrupted, tmp_path, da
     assert result["skipped"] == [True, True, True]
     assert result["rebuilt"][0] == ["train"]
     assert shard.read_bytes() == original                 # rebuilt bit for bit from the saved weights
+    assert_same_learners(result, reference)
+
+
+@pytest.mark.parametrize("damage", ["empty", "other weights"])
+def test_weights_that_do_not_match_their_record_are_retrained_not_reused(uninterrupted, tmp_path, damage):
+    """A power cut can leave learners.pt empty; a later run with other settings, killed between its weights
+    and its record, leaves other weights beside an old record. Neither is taken for the block's weights."""
+    ref_dir, reference = uninterrupted
+    import shutil
+
+    shutil.copytree(ref_dir / "cache", tmp_path / "cache")
+    weights = tmp_path / "cache" / "block0" / "learners.pt"
+    if damage == "empty":
+        weights.write_bytes(b"")
+    else:
+        _, other = build_learners({**SPEC, "seed": 1}, AUX)
+        torch.save([other[i].state_dict() for i in (0, 1)], weights)
+    proc = run_driver(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "does not match its record" in proc.stderr
+    result = load_result(tmp_path)
+    # block 0 trained again (same seed: the same weights, so the same cache); blocks 1-2 then reused
+    assert result["skipped"] == [False, True, True]
     assert_same_learners(result, reference)
 
 

@@ -20,7 +20,7 @@ QUICK = {
                  "max_train_samples": 400, "evals_per_epoch": 2, "device": "cpu"},
     "neuroflux": {"model": {"name": "vgg11", "width": 0.125}, "budget": "2MB", "max_batch": 64, "epochs": 1,
                   "max_train_samples": 400, "evals_per_epoch": 1, "profile_batches": [8, 16, 32], "min_r2": 0.9,
-                  "cache": {"storage": "float16", "threshold": 0.0, "shard_samples": 128}, "device": "cpu"},
+                  "cache": {"storage": "float16", "threshold": 0.0, "shard_size": "256KiB"}, "device": "cpu"},
 }
 NEUROFLUX = ["profile", "partition", "train_blocks", "select_exit"]
 

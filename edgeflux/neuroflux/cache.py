@@ -10,17 +10,19 @@ the next block in its own batch size while a background thread prefetches the ne
 
 One cache is one directory:
 
-* ``shard-00000.pt`` ...: a contiguous range of samples each (``shard_samples``, default 2048),
+* ``shard-00000.pt`` ...: a contiguous range of samples each (``shard_samples``; the worker sizes
+  shards by bytes, ``neuroflux.cache.shard_size``),
   a ``torch.save`` of plain tensors and ints only (``x`` or the BitTrain bitmap fields, and ``y``
   int64), so reading uses ``torch.load(weights_only=True)`` and never unpickles a class.
-  Each shard file is written atomically (temp file + rename).
+  Each shard file is written atomically (temp file, fsync, rename).
 * ``manifest.json``, written last and atomically: format version, ``producer`` (the caller's
   hash of what produced the activations), ``num_samples``, ``sample_shape``, ``dtype`` (the
   compute dtype readers get back), ``storage`` and, per shard, file, start, count, bytes on disk
   and the sha256 of the file. A directory without a manifest is incomplete and is never read.
 
 Storage: ``dense`` (as computed: exact); ``float16`` (x stored in half precision and returned in
-the compute dtype: approximate, relative error <= 2**-11 and values beyond +-65504 overflow);
+the compute dtype: approximate, relative error <= 2**-11; a shard with values beyond float16's
+range is stored in the compute dtype instead, with a warning and ``full_precision`` in the manifest);
 ``bittrain`` (each shard's x as a BitTrain bitmap, ``edgeflux.bittrain.compress``: ReLU outputs
 are about half zeros, so a shard is about 1/32 + nnz/numel of its dense size; exact with
 threshold 0 and ``value_dtype=None``, approximate when values are pruned or stored as float16).
@@ -52,7 +54,6 @@ import io
 import json
 import logging
 import math
-import os
 import queue
 import threading
 import time
@@ -202,12 +203,21 @@ class CacheWriter:
             self._buffered -= full
 
     def _write_shard(self, x: Tensor, y: Tensor) -> None:
-        if self.storage == "dense":
+        # Half precision overflows beyond +-65504: such a shard keeps the compute dtype (readers cast
+        # every shard to it anyway) rather than handing the next block inf where it had finite values.
+        half = self.storage == "float16" or self.value_dtype == torch.float16
+        full_precision = half and not _fits_float16(x)
+        if full_precision:
+            log.warning("activation cache %s: shard %d has values beyond float16's range (|x| up to %.4g); "
+                        "stored in %s instead", self.directory, len(self._shards),
+                        float(x[x.isfinite()].abs().max()), _dtype_name(self.dtype))
+        if self.storage == "dense" or (self.storage == "float16" and full_precision):
             payload = {"x": _compact(x)}
         elif self.storage == "float16":
             payload = {"x": _compact(x.to(torch.float16))}
         else:
-            packed = compress(x.contiguous(), threshold=self.threshold, store_dtype=self.value_dtype)
+            packed = compress(x.contiguous(), threshold=self.threshold,
+                              store_dtype=None if full_precision else self.value_dtype)
             payload = {"bitmap": _compact(packed.bitmap), "values": _compact(packed.values),
                        "shape": list(packed.shape), "stride": list(packed.stride)}
         payload["y"] = _compact(y)
@@ -215,9 +225,9 @@ class CacheWriter:
         torch.save(payload, buf)
         data = buf.getvalue()
         name = _shard_name(len(self._shards))
-        atomic_write(self.directory / name, lambda p: _write_synced(p, data))
+        atomic_write(self.directory / name, lambda p: p.write_bytes(data))   # (fsync'd: atomic_write)
         self._shards.append({"file": name, "start": self._written, "count": len(y), "bytes": len(data),
-                             "sha256": hashlib.sha256(data).hexdigest()})
+                             "sha256": hashlib.sha256(data).hexdigest(), "full_precision": full_precision})
         self._written += len(y)
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -246,21 +256,17 @@ class CacheWriter:
                  time.perf_counter() - self._tick)
 
 
+def _fits_float16(x: Tensor) -> bool:
+    """Every finite value of x stays finite in float16 (|x| < 65520 rounds to at most 65504)."""
+    return not bool((x.isfinite() & (x.abs() >= 65520)).any())
+
+
 def _compact(t: Tensor) -> Tensor:
     """t if it is contiguous and owns exactly its storage, else a compact copy: torch.save writes a
     view's whole storage, so a shard sliced from the writer's buffer would carry the entire buffer."""
     if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
         return t
     return t.clone(memory_format=torch.contiguous_format)
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    # fsync before the rename: the manifest must never describe bytes still in the page cache
-    # (power loss on a device with an SD card).
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 # ----------------------------------------------------------------------------- reading
@@ -465,8 +471,12 @@ class Batches:
         n = self.source.num_samples
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
-    def _shards(self, stop: threading.Event | None = None) -> Iterator[tuple[Tensor, Tensor]]:
-        """Shards in epoch order, each shuffled inside when asked."""
+    def _shards(self, stop: threading.Event | None = None) -> Iterator[tuple[Tensor, Tensor, Tensor | None]]:
+        """(x, y, order within the shard or None) per shard, in epoch order.
+
+        The order is applied batch by batch (a gather of one batch), not to the whole shard: a
+        shuffled copy of the shard would double what the reader holds.
+        """
         gen = _generator(self.seed, self.epoch) if self.shuffle else None
         n = self.source.num_shards
         order = torch.randperm(n, generator=gen).tolist() if gen is not None else range(n)
@@ -474,10 +484,7 @@ class Batches:
             if stop is not None and stop.is_set():
                 return
             x, y = self.source.read_shard(i)
-            if gen is not None:
-                perm = torch.randperm(len(y), generator=gen)
-                x, y = x[perm], y[perm]
-            yield x, y
+            yield x, y, torch.randperm(len(y), generator=gen) if gen is not None else None
 
     def _prefetched(self) -> Iterator[tuple[Tensor, Tensor]]:
         q: queue.Queue = queue.Queue(maxsize=self.prefetch)
@@ -527,12 +534,17 @@ class Batches:
         have = 0
         shards = self._prefetched() if self.prefetch > 0 else self._shards()
         try:
-            for x, y in shards:
+            for x, y, perm in shards:
                 pos, n = 0, len(y)
                 while pos < n:
                     take = min(bs - have, n - pos)
-                    xs.append(x[pos:pos + take])
-                    ys.append(y[pos:pos + take])
+                    if perm is None:     # a view of the shard
+                        xs.append(x[pos:pos + take])
+                        ys.append(y[pos:pos + take])
+                    else:
+                        idx = perm[pos:pos + take]
+                        xs.append(x[idx])
+                        ys.append(y[idx])
                     have += take
                     pos += take
                     if have == bs:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -20,7 +21,7 @@ from fractions import Fraction
 from pathlib import Path
 
 from edgeflux.artifacts import read_json, write_json
-from edgeflux.memory import BudgetTooSmallError, format_bytes
+from edgeflux.memory import BudgetTooSmallError, budget_at_least, format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -54,45 +55,55 @@ def max_batch_for(a: float, b: float, budget_bytes: float) -> int:
     unbounded when batch 1 fits: UNBOUNDED, which the caller caps at its batch limit.
     """
     for name, v in (("a", a), ("b", b), ("budget_bytes", budget_bytes)):
-        if not math.isfinite(v):
+        if not (isinstance(v, numbers.Real) and math.isfinite(v)):
             raise ValueError(f"max_batch_for needs finite numbers, got {name}={v!r}")
-    fa, fb, fm = Fraction(a), Fraction(b), Fraction(budget_bytes)
+    fa, fb, fm = _exact(a), _exact(b), _exact(budget_bytes)
     if fa <= 0:
         return UNBOUNDED if fa + fb <= fm else 0
     t = math.floor((fm - fb) / fa)
     return 0 if t < 1 else min(t, UNBOUNDED)
 
 
+def _exact(v: numbers.Real) -> Fraction:
+    """v as an exact fraction (numpy scalars too: Fraction takes only Python's int and float)."""
+    return Fraction(int(v)) if isinstance(v, numbers.Integral) else Fraction(float(v))
+
+
 def min_budget_bytes(models: Sequence[tuple[float, float]]) -> int:
     """The smallest whole-byte budget under which every unit fits batch 1: max over units of ceil(a + b)."""
-    return max(math.ceil(Fraction(a) + Fraction(b)) for a, b in models)
+    return max(math.ceil(_exact(a) + _exact(b)) for a, b in models)
 
 
 class UnitDoesNotFitError(BudgetTooSmallError):
     """A unit's training step at batch size 1 is predicted to exceed the memory budget."""
 
     def __init__(self, budget_bytes: int, min_feasible_bytes: int, unit_index: int, unit_name: str | None = None,
-                 unit_bytes: int | None = None, others: Sequence[int] = ()) -> None:
+                 unit_bytes: int | None = None, others: Sequence[int] = (), measured: bool = False) -> None:
+        """measured: the need is this unit's measured step (the worker), not the profiled models of every
+        unit (the partitioner): min_feasible_bytes then covers this unit only."""
         super().__init__(budget_bytes, min_feasible_bytes)
         self.unit_index, self.unit_name, self.unit_bytes = unit_index, unit_name, unit_bytes
         unit = f"unit {unit_index}" + (f" ({unit_name})" if unit_name else "")
         needs = f" needs {format_bytes(unit_bytes)} ({unit_bytes} bytes)" if unit_bytes is not None else " does not fit"
         more = f"; units {list(others)} do not fit either" if others else ""
         need = f"{format_bytes(min_feasible_bytes)} ({min_feasible_bytes} bytes)"
+        basis = "measured" if measured else "its profiled linear model"
+        fits = (f"It fits batch 1 from {need} (measured; a later unit may need more)" if measured
+                else f"Every unit fits batch 1 from {need}")
         self.args = (
-            f"{unit}{needs} for one local-learning step at batch size 1 (its profiled linear model), above "
-            f"the memory budget {format_bytes(budget_bytes)} ({budget_bytes} bytes){more}. Every unit fits "
-            f"batch 1 from {need}: raise the budget to at least {need}, or choose a smaller/narrower model "
-            f"(or the adaptive auxiliary networks).",)
+            f"{unit}{needs} for one local-learning step at batch size 1 ({basis}), above the memory budget "
+            f"{format_bytes(budget_bytes)} ({budget_bytes} bytes){more}. {fits}: raise the budget to at least "
+            f"{budget_at_least(min_feasible_bytes)}, or choose a smaller/narrower model (or the adaptive auxiliary "
+            f"networks).",)
 
 
 def _check_args(models: Sequence[tuple[float, float]], budget_bytes: float, batch_limit: int,
                 names: Sequence[str] | None) -> None:
     if not models:
         raise ValueError("partition needs one (a, b) memory model per unit; got none (run the profiler first)")
-    if not (isinstance(budget_bytes, (int, float)) and math.isfinite(budget_bytes) and budget_bytes > 0):
+    if not (isinstance(budget_bytes, numbers.Real) and math.isfinite(budget_bytes) and budget_bytes > 0):
         raise ValueError(f"budget_bytes must be a positive number of bytes, got {budget_bytes!r}")
-    if isinstance(batch_limit, bool) or not (isinstance(batch_limit, int) and batch_limit >= 1):
+    if isinstance(batch_limit, bool) or not (isinstance(batch_limit, numbers.Integral) and batch_limit >= 1):
         raise ValueError(f"batch_limit must be an int >= 1 (the paper caps batches at 32..512), got {batch_limit!r}")
     if names is not None and len(names) != len(models):
         raise ValueError(f"names has {len(names)} entries for {len(models)} units")
@@ -112,8 +123,8 @@ def unit_batch_sizes(models: Sequence[tuple[float, float]], budget_bytes: float,
         i = bad[0]
         a, b = models[i]
         raise UnitDoesNotFitError(int(budget_bytes), min_budget_bytes(models), i, names[i] if names else None,
-                                  unit_bytes=math.ceil(Fraction(a) + Fraction(b)), others=bad[1:])
-    return sizes
+                                  unit_bytes=math.ceil(_exact(a) + _exact(b)), others=bad[1:])
+    return [int(size) for size in sizes]
 
 
 def group(sizes: Sequence[int], rho: float = 0.4) -> list[Block]:
@@ -122,7 +133,7 @@ def group(sizes: Sequence[int], rho: float = 0.4) -> list[Block]:
     rho is read as the decimal the user wrote (0.4 is exactly 40%: 4 against 10 is inside it),
     not as its binary approximation, so boundary cases do not depend on float rounding.
     """
-    if not (isinstance(rho, (int, float)) and not isinstance(rho, bool) and math.isfinite(rho) and rho >= 0):
+    if not (isinstance(rho, numbers.Real) and not isinstance(rho, bool) and math.isfinite(rho) and rho >= 0):
         raise ValueError(f"rho (the grouping threshold) must be a number >= 0, e.g. 0.4 for 40%, got {rho!r}")
     r = Fraction(str(rho))
     blocks: list[Block] = []

@@ -29,6 +29,8 @@ every block then recomputes its input by a forward pass through the trained unit
 from __future__ import annotations
 
 import copy
+import hashlib
+import io
 import logging
 import math
 import time
@@ -61,7 +63,13 @@ class CacheOptions:
     """How block outputs are stored on disk (see edgeflux.neuroflux.cache)."""
     storage: str = "dense"      # dense | float16 | bittrain
     threshold: float = 0.0      # bittrain pruning threshold (0: exact)
-    shard_samples: int = 2048
+    shard_size: int = 4 * 2**20          # bytes of a shard in the compute dtype (params: neuroflux.cache.shard_size)
+    shard_samples: int | None = None     # samples per shard instead (tests, benchmarks): overrides shard_size
+
+    def samples_per_shard(self, sample_shape: Sequence[int], dtype: torch.dtype = torch.float32) -> int:
+        if self.shard_samples is not None:
+            return self.shard_samples
+        return max(1, self.shard_size // (math.prod(sample_shape) * dtype.itemsize))
 
 
 @dataclass
@@ -250,21 +258,29 @@ class _BlockFiles:
         return self.dir / split
 
 
-def _sources(data: dict[str, tuple[Tensor, Tensor]], shard_samples: int) -> dict[str, TensorSource]:
-    return {split: TensorSource(*data[split], shard_samples=shard_samples) for split in SPLITS}
+def _sources(data: dict[str, tuple[Tensor, Tensor]], cache: CacheOptions) -> dict[str, TensorSource]:
+    return {split: TensorSource(x, y, shard_samples=cache.samples_per_shard(x.shape[1:], x.dtype))
+            for split, (x, y) in ((s, data[s]) for s in SPLITS)}
 
 
-def _input_hash(sources: dict) -> str:
-    """Identity of a block's input: the caches' checksums, or a hash of the raw tensors."""
-    parts = {}
-    for split, src in sources.items():
-        if isinstance(src, ActivationCache):
-            parts[split] = cache_hash(src.manifest)
-        else:
-            x, y = src.x, src.y
-            parts[split] = run_signature(n=len(x), shape=list(x.shape), xsum=float(x.double().sum()),
-                                         ysum=int(y.sum()), first=float(x.flatten()[:64].double().sum()))
-    return run_signature(**parts)
+def _input_hash(sources: dict, raw_digests: dict[str, str]) -> str:
+    """Identity of a block's input: the caches' checksums, or (block 0) the raw tensors' digests."""
+    return run_signature(**{split: cache_hash(src.manifest) if isinstance(src, ActivationCache) else raw_digests[split]
+                            for split, src in sources.items()})
+
+
+def tensor_digest(*tensors: Tensor) -> str:
+    """sha256 over the tensors' dtypes, shapes and bytes: any changed value, label or sample order shows.
+
+    (Hashes the memory in place, ~1 GB/s; a contiguous CPU tensor is not copied.)
+    """
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().cpu().contiguous()
+        h.update(f"{t.dtype}{list(t.shape)};".encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
 
 
 def train_blocks(learners: Sequence[LocalLearner], blocks: Sequence[Block],
@@ -290,7 +306,8 @@ def train_blocks(learners: Sequence[LocalLearner], blocks: Sequence[Block],
     context = context or no_context
     workdir = Path(workdir)
     checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else workdir.parent / "checkpoints"
-    raw = _sources(data, cache.shard_samples)
+    raw = _sources(data, cache)
+    raw_digests = {split: tensor_digest(*data[split]) for split in SPLITS}
     sources: dict = dict(raw)
     results: list[BlockResult] = []
     history: list[dict] = []
@@ -298,9 +315,6 @@ def train_blocks(learners: Sequence[LocalLearner], blocks: Sequence[Block],
     unit_test = [0.0] * len(learners)
     elapsed = 0.0
     step_count = 0
-    for learner in learners:
-        learner.to(device)
-
     pending = deque(blocks)
     while pending:
         if time_limit_s is not None and elapsed >= time_limit_s:
@@ -311,8 +325,8 @@ def train_blocks(learners: Sequence[LocalLearner], blocks: Sequence[Block],
         block = Block(index=len(results), units=tuple(planned.units), batch_size=planned.batch_size)
         files = _BlockFiles(workdir, block.index)
         block_learners = [learners[i] for i in block.units]
-        prefix = None if use_cache else _Prefix([learners[i] for i in range(block.units[0])]).to(device)
-        input_hash = _input_hash(sources)
+        prefix = None if use_cache else _Prefix([learners[i] for i in range(block.units[0])])
+        input_hash = _input_hash(sources, raw_digests)
         block_sig = run_signature(run=signature or {}, units=list(block.units), planned=block.batch_size,
                                   opts={k: getattr(opts, k) for k in TrainOptions.model_fields},
                                   lr_scaling=[opts.lr_scaling, opts.lr_reference_batch]
@@ -333,7 +347,8 @@ def train_blocks(learners: Sequence[LocalLearner], blocks: Sequence[Block],
                 # models included the block's resident state. A single unit that does not fit at batch 1
                 # is a budget the user must raise.
                 if isinstance(exc, BudgetTooSmallError) and len(block.units) == 1:
-                    raise UnitDoesNotFitError(exc.budget_bytes, exc.min_feasible_bytes, block.units[0]) from None
+                    raise UnitDoesNotFitError(exc.budget_bytes, exc.min_feasible_bytes, block.units[0],
+                                              unit_bytes=exc.min_feasible_bytes, measured=True) from None
                 half = len(block.units) // 2
                 log.warning("block %d (units %s): %s; splitting it into units %s and %s", block.index,
                             list(block.units), exc, list(block.units[:half]), list(block.units[half:]))
@@ -343,6 +358,7 @@ def train_blocks(learners: Sequence[LocalLearner], blocks: Sequence[Block],
         else:
             log.info("block %d (units %s): reusing the trained block and its caches from %s", block.index,
                      list(block.units), files.dir)
+        _park(block_learners, prefix)
         results.append(result)
         for i, unit in enumerate(block.units):
             unit_val[unit], unit_test[unit] = result.unit_val_acc[i], result.unit_test_acc[i]
@@ -358,14 +374,41 @@ def train_blocks(learners: Sequence[LocalLearner], blocks: Sequence[Block],
     return NeuroFluxRun(results, history, unit_val, unit_test, complete=not pending)
 
 
+def _to_device(block_learners: Sequence[LocalLearner], prefix: nn.Module | None, device: torch.device) -> None:
+    """The block in training (and the frozen units before it, without the cache) on the device."""
+    for module in (*block_learners, prefix):
+        if module is not None:
+            module.to(device)
+
+
+def _park(block_learners: Sequence[LocalLearner], prefix: nn.Module | None) -> None:
+    """Back to host memory once the block is done (paper Section 3.1: only the block in training
+    occupies device memory), without gradients: a CUDA peak measured for the next block then
+    counts that block alone, and the host holds no gradient buffers of finished units."""
+    for module in (*block_learners, prefix):
+        if module is not None:
+            module.zero_grad(set_to_none=True)
+            module.to("cpu")
+
+
 def _reuse_weights(files: _BlockFiles, block_sig: str, block_learners: Sequence[LocalLearner]) -> BlockResult | None:
+    """The finished block's result, its weights loaded into block_learners; None when it must be trained.
+
+    The record names the sha256 of the weights it describes: weights rewritten by a later run (with
+    other settings, killed before its own record), truncated or corrupt, are never taken for these.
+    """
     if not files.record.exists() or not files.weights.exists():
         return None
     record = _read_record(files.record)
     if record is None or record.get("signature") != block_sig:
         return None
-    state = torch.load(files.weights, map_location="cpu", weights_only=True)
-    for learner, sd in zip(block_learners, state):
+    data = files.weights.read_bytes()
+    if hashlib.sha256(data).hexdigest() != record.get("weights_sha256"):
+        log.warning("block %d: %s does not match its record %s (rewritten, truncated or corrupt); training the "
+                    "block again", record["result"]["index"], files.weights, files.record)
+        return None
+    state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    for learner, sd in zip(block_learners, state, strict=True):
         learner.load_state_dict(sd)
     return BlockResult(**{**record["result"], "skipped": True})
 
@@ -389,9 +432,10 @@ def _reuse_block(files: _BlockFiles, block_sig: str, block_learners: Sequence[Lo
         except (CacheCorruptError, FileNotFoundError, ValueError) as exc:
             log.warning("block %d: %s cache unusable (%s); rebuilding it from the block's saved weights",
                         result.index, split, exc)
-            with CacheWriter(files.cache(split), block_sig, _out_shape(block_learners, sources[split], prefix),
-                             storage=cache.storage, threshold=cache.threshold,
-                             shard_samples=cache.shard_samples) as writer:
+            _to_device(block_learners, prefix, device)
+            shape = _out_shape(block_learners, sources[split], prefix)
+            with CacheWriter(files.cache(split), block_sig, shape, storage=cache.storage, threshold=cache.threshold,
+                             shard_samples=cache.samples_per_shard(shape)) as writer:
                 evaluate_exits(block_learners, sources[split], result.batch_size, device, prefix, writer)
             result.rebuilt_caches.append(split)
     return result
@@ -427,6 +471,7 @@ def _train_block(block: Block, block_learners: Sequence[LocalLearner], sources: 
     log.info("block %d (units %s): batch %d (planned %d), measured block-step peak %s%s", block.index,
              list(block.units), batch, block.batch_size, format_bytes(memory.peak_bytes),
              f" <= budget {format_bytes(budget_bytes)}" if budget_bytes else "")
+    _to_device(block_learners, prefix, device)   # (measured on copies: the originals were not on the device)
 
     module = nn.ModuleList(block_learners).train()
     lr = opts.block_lr(batch) if isinstance(opts, NeuroFluxParams) else opts.lr
@@ -501,7 +546,7 @@ def _train_block(block: Block, block_learners: Sequence[LocalLearner], sources: 
     for split in SPLITS:
         if use_cache:
             with CacheWriter(files.cache(split), block_sig, out_shape, storage=cache.storage,
-                             threshold=cache.threshold, shard_samples=cache.shard_samples) as writer:
+                             threshold=cache.threshold, shard_samples=cache.samples_per_shard(out_shape)) as writer:
                 accs[split] = evaluate_exits(block_learners, sources[split], eval_batch, device, prefix, writer)
         elif split != "train":
             accs[split] = evaluate_exits(block_learners, sources[split], eval_batch, device, prefix)
@@ -513,9 +558,13 @@ def _train_block(block: Block, block_learners: Sequence[LocalLearner], sources: 
         unit_val_acc=accs["val"], unit_test_acc=accs["test"],
         cache_bytes=sum(ActivationCache.open(files.cache(s)).nbytes for s in SPLITS) if use_cache else 0,
         resumed_from_epoch=resumed_from, history=state["history"])
-    # Weights first, record last: a record always describes weights that exist.
-    atomic_write(files.weights, lambda p: torch.save([learner.state_dict() for learner in block_learners], p))
-    write_json(files.record, {"signature": block_sig, "result": asdict(result)})
+    # Weights first, record last (naming the weights' sha256): a record always describes the weights beside it.
+    buf = io.BytesIO()
+    torch.save([learner.state_dict() for learner in block_learners], buf)
+    weights = buf.getvalue()
+    atomic_write(files.weights, lambda p: p.write_bytes(weights))
+    write_json(files.record, {"signature": block_sig, "weights_sha256": hashlib.sha256(weights).hexdigest(),
+                              "result": asdict(result)})
     if checkpoint.exists():
         checkpoint.unlink()
     log.info("block %d done: %d steps, %.1fs training, %.1fs caching; exits val %s", block.index, result.steps,

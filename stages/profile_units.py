@@ -1,4 +1,5 @@
-"""Stage profile (NeuroFlux §1): measured training memory of every unit with its auxiliary head.
+"""Stage profile (NeuroFlux §1; named profile_units: a module called profile would shadow the standard
+library's, which cProfile imports): measured training memory of every unit with its auxiliary head.
 
 For each unit, one training step (unit + aux head, local loss, update) is measured at each of
 neuroflux.profile_batches and a line bytes = a*batch + b is fitted; a poor fit (R² below
