@@ -243,7 +243,8 @@ def _format_error(err: dict, where: str, raw: dict) -> str:
     if err["type"] == "missing":
         return f"{where}: {key} is missing; add it (see the default params.yaml)"
     msg = err["msg"].removeprefix("Value error, ")
-    if err["type"] in ("float_type", "float_parsing") and isinstance(got, str) and re.fullmatch(r"[-+]?[0-9.]+[eE][-+]?[0-9]+", got):
+    if (err["type"] in ("float_type", "float_parsing") and isinstance(got, str)
+            and re.fullmatch(r"[-+]?[0-9.]+[eE][-+]?[0-9]+", got)):
         # YAML 1.1 (PyYAML) reads 1e-3 as a string: a float needs a dot before the exponent
         msg += f"; YAML reads {got} as text: write it as {float(got)!r} or with a dot, like 1.0e-3"
     return f"{where}: {key} = {got!r}: {msg}"

@@ -486,7 +486,7 @@ class Batches:
             x, y = self.source.read_shard(i)
             yield x, y, torch.randperm(len(y), generator=gen) if gen is not None else None
 
-    def _prefetched(self) -> Iterator[tuple[Tensor, Tensor]]:
+    def _prefetched(self) -> Iterator[tuple[Tensor, Tensor, Tensor | None]]:
         q: queue.Queue = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
 
