@@ -48,12 +48,20 @@ def write_json(path: str | Path, data: Any) -> None:
     atomic_write(Path(path), lambda p: p.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n"))
 
 
+class CorruptFileError(ValueError):
+    """A file a stage reads is not valid JSON (truncated, edited by hand)."""
+
+
 def read_json(path: str | Path, missing: str) -> Any:
-    """The JSON in `path`; FileNotFoundError saying `missing` (what makes the file) when it is absent."""
+    """The JSON in `path`; FileNotFoundError saying `missing` (what makes the file) when it is absent,
+    CorruptFileError saying the same when it is not valid JSON."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: {missing}")
-    return json.loads(path.read_text())
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CorruptFileError(f"{path} is not valid JSON ({exc}); remake it: {missing}") from None
 
 
 def save_model(path: str | Path, model: nn.Module, spec: dict, meta: dict | None = None) -> None:

@@ -58,23 +58,36 @@ class BudgetedRun:
                 "batch_fit": asdict(self.batch_fit) if self.batch_fit is not None else None}
 
 
+CONTENT_SAMPLES = 3   # batches measured per batch size when activation storage depends on the values
+
+
 def choose_batch(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor], num_classes: int, opts: TrainOptions,
                  memory: MemoryOptions, device: torch.device,
                  context: StepContext | None = None) -> tuple[int, BatchFit | None, StepMemory]:
     """The largest batch (≤ memory.max_batch) whose measured training-step peak fits memory.budget.
 
     Steps are measured on real training samples, under the same activation context as training.
+    Where the context stores activations by their content (BitTrain: a bitmap's size is the batch's
+    non-zeros), the peak of a batch size is the largest over CONTENT_SAMPLES disjoint batches.
     """
     make_opt = optimizer_factory(opts)
     measured: dict[int, StepMemory] = {}
     sample_shape = tuple(train[0].shape[1:])
     max_batch = min(memory.max_batch, len(train[0]))
 
+    def measure(batch: int, i: int) -> StepMemory:
+        data = train[0][i * batch:(i + 1) * batch], train[1][i * batch:(i + 1) * batch]
+        return measure_training_peak(model, make_opt, sample_shape, num_classes, batch, device=device, data=data,
+                                     context=context)
+
     def peak(batch: int) -> int:
-        measured[batch] = measure_training_peak(model, make_opt, sample_shape, num_classes, batch, device=device,
-                                                data=train, context=context)
-        log.info("measured peak at batch %d: %s", batch, format_bytes(measured[batch].peak_bytes))
-        return measured[batch].peak_bytes
+        m = measure(batch, 0)
+        if m.activation_storage is not None:   # stored by content: other batches can peak higher
+            for i in range(1, min(CONTENT_SAMPLES, len(train[0]) // batch)):
+                m = max(m, measure(batch, i), key=lambda step: step.peak_bytes)
+        measured[batch] = m
+        log.info("measured peak at batch %d: %s", batch, format_bytes(m.peak_bytes))
+        return m.peak_bytes
 
     if memory.budget is None:
         peak(opts.batch_size)

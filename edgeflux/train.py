@@ -18,6 +18,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,6 +90,43 @@ def run_signature(**parts) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def tensor_digest(*tensors: torch.Tensor) -> str:
+    """sha256 over the tensors' dtypes, shapes and bytes: any changed value, label or sample order shows.
+
+    (Hashes the memory in place, ~1 GB/s; a contiguous CPU tensor is not copied.)
+    """
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().cpu().contiguous()
+        h.update(f"{t.dtype}{list(t.shape)};".encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
+def rng_state() -> dict:
+    """The global RNG states a resumed run must continue from: CPU, and every CUDA device's when CUDA
+    is in use (dropout on a GPU draws from the CUDA generator)."""
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None}
+
+
+def set_rng_state(state: dict | torch.Tensor) -> None:
+    """Restore what rng_state() returned (a bare tensor: a checkpoint that kept the CPU state only)."""
+    if isinstance(state, torch.Tensor):
+        torch.set_rng_state(state)
+        return
+    torch.set_rng_state(state["cpu"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _describe(context: Callable) -> Any:
+    """A stable description of a step context for run signatures (its options, not its address)."""
+    owner = getattr(context, "__self__", None)
+    return owner.model_dump() if hasattr(owner, "model_dump") else getattr(context, "__qualname__", repr(context))
+
+
 def save_checkpoint(path: Path, state: dict) -> None:
     atomic_write(path, lambda tmp: torch.save(state, tmp))  # a kill mid-write leaves the previous checkpoint
 
@@ -138,12 +176,16 @@ def fit(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor], val: tuple[t
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
     result = TrainResult()
     start_epoch = 0
-    signature = signature or run_signature(opts=opts.model_dump(), batch_size=batch_size, n=len(x_train))
+    # What the run is: options, batch, how activations are saved, and the data (a checkpoint of a run
+    # on a split prepared differently since is not resumed). Not the starting weights: a fresh process
+    # builds them anew; a caller fine-tuning loaded weights adds their identity to `signature`.
+    signature = signature or run_signature(opts=opts.model_dump(), batch_size=batch_size, context=_describe(context),
+                                           data=tensor_digest(x_train, y_train, *val))
     if checkpoint is not None and (state := load_checkpoint(checkpoint, signature)):
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"])
+        set_rng_state(state["rng"])
         result = TrainResult(**state["result"])
         start_epoch = result.resumed_from_epoch = result.epochs_done
         log.info("%s: resuming from checkpoint %s after epoch %d/%d", desc, checkpoint, start_epoch, opts.epochs)
@@ -188,7 +230,7 @@ def fit(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor], val: tuple[t
             if checkpoint is not None:
                 save_checkpoint(checkpoint, {
                     "signature": signature, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state(),
+                    "scheduler": scheduler.state_dict(), "rng": rng_state(),
                     "result": {k: v for k, v in vars(result).items()},
                 })
             if on_epoch_end is not None:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from rich.logging import RichHandler
 
+from edgeflux.artifacts import CorruptFileError
 from edgeflux.config import Params, ParamsError, load_params
 from edgeflux.data import DataParamsError, DatasetNotFoundError, PreparedDataError
 from edgeflux.memory import BudgetTooSmallError
@@ -16,7 +17,7 @@ from edgeflux.neuroflux.profile import PoorFitError
 
 # Errors that are the user's to fix: shown as one message, no traceback.
 USER_ERRORS = (ParamsError, DatasetNotFoundError, DataParamsError, PreparedDataError, BudgetTooSmallError,
-               PoorFitError, FileNotFoundError)
+               PoorFitError, CorruptFileError, FileNotFoundError)
 
 
 def stage_parser(description: str) -> argparse.ArgumentParser:

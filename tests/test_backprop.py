@@ -101,3 +101,23 @@ def test_bittrain_from_params_trains_bit_identically_and_fits_a_larger_batch(mni
     assert dense_batch == 32 < bit_batch and memory.peak_bytes <= dense_peak
     total = memory.activation_storage["total"]
     assert memory.saved_bytes == total["stored_bytes"] < total["dense_bytes"] and total["compressed"] > 0
+
+
+def test_with_bittrain_the_batch_peak_is_the_largest_of_several_batches(mnist_subset):
+    """A bitmap's size follows its batch's non-zeros, so batches of one size peak differently (here the
+    second batch is blank images, which after BatchNorm compress worst). The chosen batch's peak is the
+    largest of CONTENT_SAMPLES disjoint batches, each measured, not the first batch's alone."""
+    from edgeflux.backprop import CONTENT_SAMPLES
+    from edgeflux.config import BitTrainParams
+
+    x, y = tensors(mnist_subset, "train", limit=64)
+    x = x.clone()
+    x[16:32] = x.min()                     # the second batch of 16: blank images
+    m = build_model("vgg11", num_classes=10, in_channels=1, width=0.125, seed=0)
+    context = BitTrainParams(enabled=True).context
+    _, _, memory = choose_batch(m, (x, y), 10, OPTS, MemoryOptions(budget="1GB", max_batch=16), torch.device("cpu"),
+                                context=context)
+    each = [measure_training_peak(m, optimizer_factory(OPTS), SHAPE, 10, 16, context=context,
+                                  data=(x[i * 16:(i + 1) * 16], y[i * 16:(i + 1) * 16])).peak_bytes
+            for i in range(CONTENT_SAMPLES)]
+    assert each[0] < each[1] == max(each) == memory.peak_bytes

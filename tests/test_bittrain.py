@@ -386,6 +386,30 @@ def test_relu6_input_copy_is_read_from_the_output_when_storage_is_lossless(bitma
     assert sum(h.bitmap.numel() for h in (first, second) if h.bitmap is not None) == masks * n // 8
 
 
+@pytest.mark.parametrize("dtype,lo,hi", [(torch.bfloat16, 0.1, 0.9), (torch.float16, 0.3, 6.0),
+                                         (torch.float16, 0.0, 0.1), (torch.bfloat16, 0.0, 6.0)])
+def test_hardtanh_bounds_not_exact_in_the_dtype_keep_gradients_bit_identical(bitmap_path, dtype, lo, hi):
+    """Hardtanh's backward compares the saved value with the Python bound in float; a mask made in
+    bfloat16 compares with bfloat16(0.1) > 0.1 instead. Such copies are stored normally (exact); with
+    bounds the dtype holds exactly (ReLU6: 0 and 6) they still become masks."""
+    from edgeflux.bittrain.doublemask import _MaskOnly
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Hardtanh(lo, hi, inplace=True), nn.Conv2d(8, 4, 3)).to(dtype)
+    x = (torch.rand(4, 3, 10, 10) * 2 - 0.5).to(dtype)    # conv outputs on both sides of the bounds
+    plain, m = copy.deepcopy(net), copy.deepcopy(net)
+    plain(x).float().square().sum().backward()
+    ca = compressed_activations(units=[("net", m)])
+    holders = []
+    pack = ca._pack
+    ca._pack = lambda t: holders.append(pack(t)) or holders[-1]
+    with ca:
+        m(x).float().square().sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), m.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    exact = float(torch.tensor(lo, dtype=dtype)) == lo and float(torch.tensor(hi, dtype=dtype)) == hi
+    assert any(isinstance(h, _MaskOnly) for h in holders) == exact
+
+
 @pytest.mark.parametrize("name", ["vgg16", "resnet18"])
 def test_unit_model_attribution_without_hooks_matches_module_hooks(fmnist, name):
     """units=UnitModel reads the model's running_unit (no module hooks); (name, module) pairs use
@@ -685,3 +709,26 @@ def test_holders_keep_what_they_should():
     # the compressed copy is let go once restored (it would only add to backward's peak), and a
     # second unpack returns the same tensor instead of decompressing again
     assert packed.restored and packed.data is restored and packed.unpack() is restored
+
+
+def test_in_place_change_through_another_alias_after_a_temporary_view_was_saved_raises(bitmap_path):
+    """Only a temporary view of h is saved (by pow), and it dies at once; h is then changed in place.
+    Plain autograd raises (a view shares its base's version counter); so must the context, whose
+    holder (h is half zeros: a bitmap) must watch the base, not the dead view."""
+    mask = (torch.rand(64, 32, generator=torch.Generator().manual_seed(0)) > 0.5).float()
+
+    def forward():
+        x = torch.randn(64, 32, requires_grad=True)
+        h = x * mask                           # mul saves the mask only, not h
+        return h, (h.view(32, 64) ** 2).sum()
+
+    h, out = forward()
+    h.mul_(3)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()
+    with compressed_activations(min_bytes=0, exclude=[mask]) as ca:
+        h, out = forward()
+    assert ca.total().compressed == 1          # the view of h
+    h.mul_(3)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()

@@ -188,3 +188,13 @@ def test_save_and_load_blocks(tmp_path):
     assert loaded[0].to_dict() == {"index": 0, "units": [0, 1, 2], "batch_size": 10}
     with pytest.raises(FileNotFoundError, match="partition"):
         load_blocks(tmp_path / "missing.json")
+
+
+def test_a_truncated_blocks_file_is_a_clear_error_naming_it_and_the_fix(tmp_path):
+    from edgeflux.artifacts import CorruptFileError
+
+    path = tmp_path / "blocks.json"
+    save_blocks(path, [Block(index=0, units=(0, 1), batch_size=8)])
+    path.write_text(path.read_text()[:20])
+    with pytest.raises(CorruptFileError, match=r"blocks.json is not valid JSON.*dvc repro partition"):
+        load_blocks(path)

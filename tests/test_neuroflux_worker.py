@@ -99,7 +99,7 @@ def test_finished_blocks_are_parked_without_gradients(trained):
 
 
 def test_tensor_digest_sees_any_change_of_values_labels_or_order(mnist_subset):
-    from edgeflux.neuroflux.worker import tensor_digest
+    from edgeflux.train import tensor_digest
 
     x, y = splits(mnist_subset)["train"]
     base = tensor_digest(x, y)

@@ -67,3 +67,40 @@ def test_checkpoint_of_other_config_is_not_resumed(mnist_subset, tmp_path):
     assert result.resumed_from_epoch == 0
     ckpt.write_bytes(b"truncated")
     assert fit(small_model(mnist_subset), train, val, one_epoch, 64, checkpoint=ckpt).resumed_from_epoch == 0
+
+
+@pytest.mark.parametrize("change", ["labels", "order", "bittrain"])
+def test_checkpoint_of_other_data_or_activation_storage_is_not_resumed(mnist_subset, tmp_path, change):
+    """Same options and batch, but the split was prepared anew (a label, the sample order) or activations
+    are stored otherwise: the old checkpoint is not resumed; the same run is."""
+    from edgeflux.config import BitTrainParams
+
+    train, val = tensors(mnist_subset, "train", limit=128), tensors(mnist_subset, "val", limit=64)
+    ckpt = tmp_path / "ckpt.pt"
+    plain = BitTrainParams(enabled=False).context
+
+    def resumed_from(data, context) -> int:   # one epoch, then stop (the checkpoint of epoch 1 stays)
+        seen = []
+
+        def stop(epoch, result):
+            seen.append(result.resumed_from_epoch)
+            raise Interrupt
+
+        with pytest.raises(Interrupt):
+            fit(small_model(mnist_subset), data, val, OPTS, 64, checkpoint=ckpt, context=context, on_epoch_end=stop)
+        return seen[0]
+
+    assert resumed_from(train, plain) == 0
+    kept = ckpt.read_bytes()
+    x, y = train
+    context = plain
+    if change == "labels":
+        y = y.clone()
+        y[0] = (y[0] + 1) % 10
+    elif change == "order":
+        x, y = x.flip(0), y.flip(0)
+    else:
+        context = BitTrainParams(enabled=True).context
+    assert resumed_from((x, y), context) == 0
+    ckpt.write_bytes(kept)
+    assert resumed_from(train, plain) == 1

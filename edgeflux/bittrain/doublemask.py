@@ -63,7 +63,7 @@ from edgeflux.memory import check_saved_version
 
 from . import kernel
 from .bitmap import BitmapTensor, _flat, _pack, _unpack
-from .hooks import UnitStats, _Kept, _Packed
+from .hooks import UnitStats, _Kept, _Packed, version_source
 
 if TYPE_CHECKING:
     from .hooks import CompressedActivations
@@ -85,6 +85,14 @@ def _bounds(node: Any) -> tuple[float, float]:
     if type(node).__name__ == "ReluBackward0":
         return 0.0, math.inf
     return float(node._saved_min_val), float(node._saved_max_val)
+
+
+def _bounds_exact_in(dtype: torch.dtype, *bounds: float) -> bool:
+    """Every bound is a value of dtype. Hardtanh's backward compares the saved value, in float, with
+    the Python bound; the masks here compare in the tensor's dtype, with the bound rounded to it
+    (bfloat16(0.1) > 0.1). Where a bound is not exact in the dtype the two can disagree: those
+    tensors are stored normally (ReLU and ReLU6 bounds, 0 and 6, are exact in every float dtype)."""
+    return all(math.isinf(b) or float(torch.tensor(b, dtype=dtype)) == b for b in bounds)
 
 
 def _passes(r: Tensor, lo: float, hi: float) -> Tensor:
@@ -186,7 +194,7 @@ class _BNInput:
         self.node: Any = None
         self.pending: Tensor | None = x.detach()
         self.version = x._version
-        self.source = weakref.ref(x)
+        self.source = version_source(x)
         self.holder: _Kept | _Packed | None = None
         self.mode = ""
         self.values: Tensor | None = None
@@ -197,7 +205,7 @@ class _BNInput:
         self.shape, self.stride, self.dtype = x.shape, x.stride(), x.dtype
 
     def fallback(self) -> None:
-        """No activation followed: store x normally."""
+        """No activation followed (or its bounds are not exact in x's dtype): store x normally."""
         if self.pending is not None:
             x, self.pending = self.pending, None
             self.holder = self.ctx.store(x, self.stats)
@@ -394,7 +402,10 @@ class DoubleMask:
                 and type(t.grad_fn).__name__ == "CloneBackward0"
                 and t.grad_fn.next_functions[0][0] is call[1] and t.shape == call[2].shape):
             module = call[0]
-            self._act_holder = _MaskOnly(self.ctx, t, stats, float(module.min_val), float(module.max_val))
+            lo, hi = float(module.min_val), float(module.max_val)
+            if not _bounds_exact_in(t.dtype, lo, hi):
+                return None
+            self._act_holder = _MaskOnly(self.ctx, t, stats, lo, hi)
             return self._act_holder
         return None
 
@@ -407,5 +418,8 @@ class DoubleMask:
             if bn.node is src:
                 self._pending.remove(bn)
                 lo, hi = _bounds(t.grad_fn)
-                bn.finalize(t, holder, lo, hi)
+                if _bounds_exact_in(t.dtype, lo, hi):
+                    bn.finalize(t, holder, lo, hi)
+                else:
+                    bn.fallback()
                 return

@@ -167,7 +167,7 @@ class _Narrowed:
     def __init__(self, flat: Tensor, t: Tensor, stride: tuple[int, ...], stats: UnitStats) -> None:
         self.data = flat                 # int64 until narrow(), then int16/int32, then int64 again once unpacked
         self.shape, self.stride, self.stats = t.shape, stride, stats
-        self.source = weakref.ref(t)
+        self.source = version_source(t)
         self.version = t._version
         self._restored = False
 
@@ -203,6 +203,13 @@ class _Narrowed:
         return self.data
 
 
+def version_source(t: Tensor) -> weakref.ref:
+    """A weak reference that sees in-place changes to t for as long as its memory lives: to t's base
+    when t is a view (views share their base's version counter; a temporary view saved by an
+    operation can die while the base is changed through another alias), else to t."""
+    return weakref.ref(t._base if t._base is not None else t)
+
+
 def narrow_index_dtype(t: Tensor) -> torch.dtype | None:
     """int16 or int32 when every value of int64 tensor t fits it, else None (one aminmax pass)."""
     if t.numel() == 0:
@@ -231,7 +238,7 @@ class _Packed:
     def __init__(self, data: BitmapTensor | Tensor, t: Tensor) -> None:
         self.data: BitmapTensor | Tensor = data
         self.dtype = t.dtype
-        self.source = weakref.ref(t)   # to check in-place changes while the original is still alive
+        self.source = version_source(t)   # to check in-place changes while the original is still alive
         self.version = t._version
 
     @property

@@ -70,7 +70,7 @@ class PoorFitError(RuntimeError):
         super().__init__(
             f"unit {index} ({name}): the measured training-step peaks are not linear in the batch size "
             f"(R² {r2:.4f} < min_r2 {min_r2}); measurements (batch, peak bytes): {self.measurements}. "
-            f"Profile more and larger batch sizes (e.g. 1, 2, 4, 8, 16, 32) so that fixed costs weigh less, "
+            f"Profile more batch sizes, and larger ones (e.g. 16, 32, 64, 128), so that fixed costs weigh less, "
             f"or lower min_r2 if the partition may rest on a rougher line.")
 
 

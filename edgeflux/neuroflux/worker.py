@@ -47,7 +47,8 @@ from edgeflux.artifacts import atomic_write, read_json, write_json
 from edgeflux.config import NeuroFluxParams, TrainOptions
 from edgeflux.memory import (BudgetTooSmallError, StepContext, StepMemory, format_bytes, max_batch_under_budget,
                              measure_step, no_context)
-from edgeflux.train import load_checkpoint, make_optimizer, progress_bar, run_signature, save_checkpoint
+from edgeflux.train import (load_checkpoint, make_optimizer, progress_bar, rng_state, run_signature, save_checkpoint,
+                            set_rng_state, tensor_digest)
 
 from .aux import LocalLearner
 from .cache import ActivationCache, Batches, CacheCorruptError, CacheWriter, TensorSource, cache_hash
@@ -269,20 +270,6 @@ def _input_hash(sources: dict, raw_digests: dict[str, str]) -> str:
                             for split, src in sources.items()})
 
 
-def tensor_digest(*tensors: Tensor) -> str:
-    """sha256 over the tensors' dtypes, shapes and bytes: any changed value, label or sample order shows.
-
-    (Hashes the memory in place, ~1 GB/s; a contiguous CPU tensor is not copied.)
-    """
-    h = hashlib.sha256()
-    for t in tensors:
-        t = t.detach().cpu().contiguous()
-        h.update(f"{t.dtype}{list(t.shape)};".encode())
-        if t.numel():
-            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
-    return h.hexdigest()
-
-
 def train_blocks(learners: Sequence[LocalLearner], blocks: Sequence[Block],
                  data: dict[str, tuple[Tensor, Tensor]], opts: TrainOptions, *, workdir: Path,
                  budget_bytes: int | None = None, device: torch.device | str = "cpu",
@@ -487,7 +474,7 @@ def _train_block(block: Block, block_learners: Sequence[LocalLearner], sources: 
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
         state = saved["state"]
-        torch.set_rng_state(saved["rng"])
+        set_rng_state(saved["rng"])
         log.info("block %d: resuming from %s after epoch %d/%d", block.index, checkpoint, state["epochs_done"],
                  opts.epochs)
     else:
@@ -534,7 +521,7 @@ def _train_block(block: Block, block_learners: Sequence[LocalLearner], sources: 
             state["epochs_done"] = epoch + 1
             save_checkpoint(checkpoint, {"signature": ckpt_sig, "model": module.state_dict(),
                                           "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                                          "state": state, "rng": torch.get_rng_state()})
+                                          "state": state, "rng": rng_state()})
             if on_epoch_end is not None:
                 on_epoch_end(block.index, epoch)
 
