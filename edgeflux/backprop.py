@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from edgeflux.config import MemoryOptions, TrainOptions
-from edgeflux.memory import BatchFit, StepContext, StepMemory, format_bytes, max_batch_under_budget, measure_training_peak
+from edgeflux.memory import (BatchFit, StepContext, StepMemory, format_bytes, largest_over_batches,
+                             max_batch_under_budget, measure_training_peak)
 from edgeflux.train import TrainResult, evaluate, fit, optimizer_factory
 
 log = logging.getLogger(__name__)
@@ -58,9 +59,6 @@ class BudgetedRun:
                 "batch_fit": asdict(self.batch_fit) if self.batch_fit is not None else None}
 
 
-CONTENT_SAMPLES = 3   # batches measured per batch size when activation storage depends on the values
-
-
 def choose_batch(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor], num_classes: int, opts: TrainOptions,
                  memory: MemoryOptions, device: torch.device,
                  context: StepContext | None = None) -> tuple[int, BatchFit | None, StepMemory]:
@@ -81,10 +79,7 @@ def choose_batch(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor], num
                                      context=context)
 
     def peak(batch: int) -> int:
-        m = measure(batch, 0)
-        if m.activation_storage is not None:   # stored by content: other batches can peak higher
-            for i in range(1, min(CONTENT_SAMPLES, len(train[0]) // batch)):
-                m = max(m, measure(batch, i), key=lambda step: step.peak_bytes)
+        m = largest_over_batches(lambda i: measure(batch, i), available=len(train[0]) // batch)
         measured[batch] = m
         log.info("measured peak at batch %d: %s", batch, format_bytes(m.peak_bytes))
         return m.peak_bytes

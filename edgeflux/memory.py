@@ -640,6 +640,21 @@ def measure_training_peak(model: nn.Module, optimizer_factory: Callable[[Iterabl
 
 # ----------------------------------------------------------------------------- batch size under a budget
 
+CONTENT_SAMPLES = 3   # batches measured per batch size when activation storage depends on the values
+
+
+def largest_over_batches(measure: Callable[[int], StepMemory], available: int,
+                         samples: int = CONTENT_SAMPLES) -> StepMemory:
+    """measure(0), or, where the step stores activations by their content (``activation_storage`` is
+    set: BitTrain's bitmap holds the batch's non-zeros), the largest peak of measure(i) over the first
+    min(samples, available) disjoint batches i: one batch's peak would not bound the others'."""
+    step = measure(0)
+    if step.activation_storage is not None:
+        for i in range(1, min(samples, available)):
+            step = max(step, measure(i), key=lambda s: s.peak_bytes)
+    return step
+
+
 class BudgetTooSmallError(RuntimeError):
     """Even batch size 1 does not fit the memory budget."""
 

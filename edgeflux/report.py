@@ -38,7 +38,7 @@ def summary_rows(metrics_dir: Path = Path("metrics"), plots_dir: Path = Path("pl
         m = json.loads(train_blocks.read_text())
         curve = plots_dir / "train_blocks.csv"
         to_target = time_to_target(*read_curve(curve), target_acc) if curve.exists() and target_acc else None
-        row = {**m, "batch_size": "/".join(map(str, m["batch_sizes"])), "test_acc": m["full_test_acc"]}
+        row = {**m, "batch_size": "/".join(map(str, m["batch_sizes"]))}
         rows.append(_row("train_blocks (NeuroFlux)", "target (device)", m["model"], row, to_target))
     select_exit = metrics_dir / "select_exit.json"
     if select_exit.exists():

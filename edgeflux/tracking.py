@@ -146,28 +146,70 @@ def _parent_run(client: MlflowClient, experiment_id: str, pid: str) -> str:
     return client.create_run(experiment_id, run_name=name, tags=tags).info.run_id
 
 
+def _process_tags() -> dict[str, str]:
+    """Which process holds a stage run: host, pid and the pid's start time (pids are reused)."""
+    me = psutil.Process()
+    return {"edgeflux.host": socket.gethostname(), "edgeflux.pid": str(me.pid),
+            "edgeflux.pid_started": f"{me.create_time():.3f}"}
+
+
+def _alive(tags: Mapping[str, str]) -> bool:
+    try:
+        return f"{psutil.Process(int(tags['edgeflux.pid'])).create_time():.3f}" == tags["edgeflux.pid_started"]
+    except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError, ValueError):
+        return False
+
+
+def close_orphaned_runs(client: MlflowClient, experiment_id: str) -> list[str]:
+    """Mark KILLED the stage runs of this host still RUNNING whose process is gone (a SIGKILL, a power
+    cut: the process could not close its run), and their parent runs. Returns the closed runs' ids.
+
+    A stage run of another host is left alone: its process cannot be checked from here.
+    """
+    host = socket.gethostname()
+    running = client.search_runs([experiment_id], filter_string=(
+        f"attributes.status = 'RUNNING' and tags.`edgeflux.kind` = 'stage' and tags.`edgeflux.host` = '{host}'"))
+    closed = []
+    for orphan in running:
+        if _alive(orphan.data.tags):
+            continue
+        client.set_terminated(orphan.info.run_id, status="KILLED")
+        closed.append(orphan.info.run_id)
+        parent = orphan.data.tags.get("mlflow.parentRunId")
+        if parent and client.get_run(parent).info.status == "RUNNING":
+            client.set_terminated(parent, status="KILLED")
+        log.warning("MLflow: run %s of stage %s (pid %s) ended without closing it (killed?): marked KILLED",
+                    orphan.info.run_id, orphan.data.tags.get("edgeflux.stage"), orphan.data.tags["edgeflux.pid"])
+    return closed
+
+
 @contextmanager
 def stage_run(stage: str, params: Mapping[str, Any] | None = None) -> Iterator[StageRun]:
     """Open the nested MLflow run of one stage inside its pipeline's parent run.
 
     On exit the stage's ``time_s`` (wall clock of the block) is logged, the child run is closed as
-    FINISHED (FAILED on an exception) and the parent is left FINISHED (or FAILED), so the parent
-    always shows the state of the last stage that ran.
+    FINISHED (KILLED on KeyboardInterrupt, e.g. Ctrl-C; FAILED on another exception) and the parent
+    is left in the same state, so the parent always shows the state of the last stage that ran.
+    Runs that a killed process left RUNNING on this host are closed as KILLED first.
     """
     mlflow.set_tracking_uri(tracking_uri())
     client = MlflowClient()
     experiment = client.get_experiment_by_name(EXPERIMENT)
     experiment_id = experiment.experiment_id if experiment else client.create_experiment(EXPERIMENT)
+    close_orphaned_runs(client, experiment_id)
     parent_id = _parent_run(client, experiment_id, pipeline_id())
     status = "FAILED"
     with mlflow.start_run(experiment_id=experiment_id, run_name=stage, parent_run_id=parent_id,
-                          tags={"edgeflux.stage": stage, "edgeflux.kind": "stage"}) as active:
+                          tags={"edgeflux.stage": stage, "edgeflux.kind": "stage", **_process_tags()}) as active:
         run = StageRun(active.info.run_id, stage)
         if params:
             run.log_params(params)
         try:
             yield run
             status = "FINISHED"
+        except KeyboardInterrupt:
+            status = "KILLED"
+            raise
         finally:
             if status == "FINISHED":
                 mlflow.log_metric("time_s", time.perf_counter() - run.started)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import resource
+import signal
 import sys
 from collections.abc import Callable
 
@@ -33,11 +34,30 @@ def run_stage(main: Callable[[argparse.Namespace, Params], None], parser: argpar
                         handlers=[RichHandler(show_path=False, rich_tracebacks=True)])
     for noisy in ("alembic", "mlflow", "urllib3", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         main(args, load_params(args.params))
     except USER_ERRORS as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt as exc:
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        print(f"\ninterrupted ({signal.Signals(signum).name}): run the stage again (dvc repro) to resume from its "
+              "last checkpoint", file=sys.stderr)
+        sys.exit(128 + signum)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A termination signal, raised in the main thread like Ctrl-C so that the stage unwinds: its
+    MLflow run is closed as KILLED, and the rerun resumes from checkpoints that are written atomically."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _interrupt(signum: int, frame) -> None:
+    raise Interrupted(signum)
 
 
 def peak_rss_bytes() -> int:

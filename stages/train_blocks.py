@@ -13,6 +13,7 @@ from pathlib import Path
 
 from edgeflux.artifacts import write_json
 from edgeflux.data import load_prepared, tensors
+from edgeflux.neuroflux.aux import exit_params
 from edgeflux.neuroflux.model import aux_args, build_args, build_learners, save_learners
 from edgeflux.neuroflux.partition import load_blocks
 from edgeflux.neuroflux.profile import load_profile
@@ -52,7 +53,10 @@ def main(args, params) -> None:
                    "train_time_s": result.train_time_s, "steps": sum(b.steps for b in result.blocks),
                    "cache_bytes": sum(b.cache_bytes for b in result.blocks),
                    "profile_time_s": profile_s, "profile_overhead": profile_s / max(result.train_time_s, 1e-9),
-                   "full_val_acc": result.unit_val_acc[last], "full_test_acc": result.unit_test_acc[last],
+                   # the names every stage shares (edgeflux.tracking): the full model's, and the batch of
+                   # the block with the smallest one (each block trains at its own, in batch_sizes)
+                   "batch_size": min(b.batch_size for b in result.blocks), "params": exit_params(learners, last),
+                   "val_acc": result.unit_val_acc[last], "test_acc": result.unit_test_acc[last],
                    "best_val_acc": max(result.unit_val_acc), "unit_val_acc": result.unit_val_acc,
                    "unit_test_acc": result.unit_test_acc, "block_results": result.to_dict()["blocks"]}
         write_json(METRICS, metrics)
@@ -61,7 +65,12 @@ def main(args, params) -> None:
         save_learners(MODEL, learners, spec, aux, meta={"stage": "train_blocks", "blocks": [b.to_dict() for b in blocks],
                                                        "unit_names": model.unit_names})
         run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
-        run.log_history(result.history)
+        run.log_metrics({f"block{i}.{name}": value for i, b in enumerate(result.blocks) for name, value in
+                         (("batch_size", b.batch_size), ("peak_mem_bytes", b.peak_bytes), ("train_time_s", b.train_time_s))})
+        # the curve is the best exit's so far (what NeuroFlux could output at that time); val_acc and
+        # test_acc above are the full model's, so the curve gets names of its own
+        run.log_history([{(f"best_exit_{k}" if k in ("val_acc", "test_acc") else k): v for k, v in row.items()}
+                         for row in result.history])
         for path in (METRICS, PLOT):
             run.log_artifact(path)
 

@@ -107,8 +107,8 @@ def test_with_bittrain_the_batch_peak_is_the_largest_of_several_batches(mnist_su
     """A bitmap's size follows its batch's non-zeros, so batches of one size peak differently (here the
     second batch is blank images, which after BatchNorm compress worst). The chosen batch's peak is the
     largest of CONTENT_SAMPLES disjoint batches, each measured, not the first batch's alone."""
-    from edgeflux.backprop import CONTENT_SAMPLES
     from edgeflux.config import BitTrainParams
+    from edgeflux.memory import CONTENT_SAMPLES
 
     x, y = tensors(mnist_subset, "train", limit=64)
     x = x.clone()

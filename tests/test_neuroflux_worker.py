@@ -371,3 +371,36 @@ def test_bittrain_in_the_block_worker_trains_bit_identically_with_less_saved_mem
     cache = ActivationCache.open(tmp_path / "True" / "block0" / "train")
     dense_bytes = cache.num_samples * math.prod(cache.sample_shape) * 4
     assert cache.storage == "bittrain" and cache.nbytes < dense_bytes   # post-ReLU outputs: bitmap + non-zeros
+
+
+def test_with_bittrain_a_block_batch_peak_is_the_largest_of_several_batches(mnist_subset):
+    """As in backprop's batch search: under BitTrain a block step's peak follows its batch's non-zeros (here
+    the first batch is made all-zero after unit 0, so it compresses best), so the block's batch is measured
+    on CONTENT_SAMPLES disjoint batches and its peak is the largest, not the first batch's alone. What the
+    step saved is what BitTrain stored (its hooks are innermost: the generic count sees nothing)."""
+    from edgeflux.config import BitTrainParams
+    from edgeflux.data import tensors
+    from edgeflux.memory import CONTENT_SAMPLES
+    from edgeflux.neuroflux.cache import TensorSource
+    from edgeflux.neuroflux.worker import fit_block_batch, measure_block_peak
+
+    x, y = tensors(mnist_subset, "target_train", limit=64)
+    _, learners = build_learners(SPEC, AUX)
+    with torch.no_grad():
+        h = copy.deepcopy(learners[0].unit).eval()(x)    # block 1's input: unit 0's output (a cache's content)
+    h[:16] = h.min()
+    block, context = learners[1:2], BitTrainParams(enabled=True).context
+    batch, memory = fit_block_batch(block, opts(), TensorSource(h, y), 16, budget_bytes=None, prefix=None,
+                                    context=context, device=torch.device("cpu"))
+    each = [measure_block_peak(block, opts(), h[i * 16:(i + 1) * 16].clone(), y[i * 16:(i + 1) * 16].clone(),
+                               context=context) for i in range(CONTENT_SAMPLES)]
+    peaks = [m.peak_bytes for m in each]
+    assert batch == 16 and peaks[0] < max(peaks) == memory.peak_bytes
+    stored = each[1].activation_storage["units"]["unit0"]
+    assert each[1].saved_bytes == stored["stored_bytes"] < stored["dense_bytes"]
+    # without BitTrain the storage does not follow the content: one batch is measured, saved bytes counted
+    _, dense = fit_block_batch(block, opts(), TensorSource(h, y), 16, budget_bytes=None, prefix=None,
+                               context=None, device=torch.device("cpu"))
+    labels = 16 * 8    # the int64 targets the loss saves: neither an activation nor an index to BitTrain
+    assert dense.activation_storage is None
+    assert dense.saved_bytes == stored["dense_bytes"] + stored["index_dense_bytes"] + labels

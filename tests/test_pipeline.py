@@ -2,8 +2,10 @@
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -74,6 +76,9 @@ def test_repro_then_noop_then_exp_run(project):
     assert (project / "cache/neuroflux/block0/train/manifest.json").exists()
     exit_metrics = json.loads((project / "metrics/select_exit.json").read_text())
     assert exit_metrics["params"] <= exit_metrics["full_params"] and exit_metrics["test_acc"] > 0.2
+    # under the metric names every stage shares: the full model's accuracy and parameters, the smallest block batch
+    assert trained["test_acc"] == trained["unit_test_acc"][-1] and trained["params"] == exit_metrics["full_params"]
+    assert trained["batch_size"] == min(b["batch_size"] for b in trained["block_results"])
     import torch
     compact = torch.load(project / "models/neuroflux_exit.pt", weights_only=False)
     assert compact(torch.zeros(2, 1, 32, 32)).shape == (2, 10)
@@ -107,6 +112,14 @@ def test_repro_then_noop_then_exp_run(project):
     bp = [r for r in first_children if r.data.tags["edgeflux.stage"] == "train_bp"]
     assert {r.data.params["lr"] for r in bp} == {"0.05", "0.01"}
     assert all(r.data.metrics["peak_mem_bytes"] <= 3_000_000 for r in bp)
+    blocks_run, = [r for r in first_children if r.data.tags["edgeflux.stage"] == "train_blocks"]
+    logged = blocks_run.data.metrics
+    assert {k: logged[k] for k in ("batch_size", "params", "test_acc")} == {
+        k: trained[k] for k in ("batch_size", "params", "test_acc")}
+    assert [logged[f"block{i}.batch_size"] for i in range(len(trained["block_results"]))] == trained["batch_sizes"]
+    curve = client.get_metric_history(blocks_run.info.run_id, "best_exit_val_acc")
+    assert len(curve) >= len(trained["block_results"]) and max(m.value for m in curve) == trained["best_val_acc"]
+    assert all(r.info.status == "FINISHED" for r in runs)
 
 
 def test_bad_params_stop_with_a_clear_error(project):
@@ -196,3 +209,38 @@ def test_prefect_flow_runs_the_dvc_stages(project, monkeypatch, prefect_server):
                                   filter_string=f"tags.`mlflow.parentRunId` = '{runs[0].info.run_id}'")
     assert [c.data.tags["edgeflux.stage"] for c in children] == ["train_bp"]
     assert children[0].data.params["epochs"] == "2"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_stage_stops_cleanly_and_the_rerun_resumes(project, signum):
+    """Ctrl-C (SIGINT) or a kill (SIGTERM: Prefect cancelling, a shutdown) during training: one line, not a
+    traceback; the shell's exit code 128+signal; the MLflow run and its parent closed as KILLED, not left
+    RUNNING; and the rerun resumes from the checkpoint the interrupted run wrote."""
+    from mlflow.tracking import MlflowClient
+
+    sh("dvc repro prepare", project)
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["train_bp"]["epochs"] = 10        # long enough to be interrupted after its first checkpoint
+    params["train_bp"]["seed"] = int(signum)   # a run of its own (another checkpoint signature)
+    (project / "long.yaml").write_text(yaml.safe_dump(params))
+    checkpoint = project / ".edgeflux/checkpoints/train_bp.pt"
+    checkpoint.unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    stage = subprocess.Popen([sys.executable, "-m", "stages.train_bp", "--params", "long.yaml"], cwd=project,
+                             env={**env, "EDGEFLUX_PIPELINE_ID": f"interrupted-{signum}"},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not checkpoint.exists() and stage.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stage.poll() is None, "the stage ended before it could be interrupted"
+    stage.send_signal(signum)
+    _, err = stage.communicate(timeout=120)
+    assert stage.returncode == 128 + signum
+    assert f"interrupted ({signal.Signals(signum).name})" in err and "Traceback" not in err
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("edgeflux").experiment_id
+    parent, = client.search_runs([experiment], filter_string=f"tags.`edgeflux.pipeline_id` = 'interrupted-{signum}'")
+    child, = client.search_runs([experiment], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    assert parent.info.status == child.info.status == "KILLED"
+    resumed = sh("python -m stages.train_bp --params long.yaml", project)
+    assert "resuming" in resumed.stdout + resumed.stderr

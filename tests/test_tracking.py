@@ -1,8 +1,13 @@
+import os
+import signal
+import subprocess
+import sys
+
 import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
-from edgeflux.tracking import flatten, pipeline_id, stage_run, tracking_uri
+from edgeflux.tracking import close_orphaned_runs, flatten, pipeline_id, stage_run, tracking_uri
 
 
 def runs(client):
@@ -45,6 +50,16 @@ def test_failed_stage_marks_child_and_parent_failed(monkeypatch):
     assert mlflow.active_run() is None
 
 
+def test_interrupted_stage_marks_child_and_parent_killed(monkeypatch):
+    monkeypatch.setenv("EDGEFLUX_PIPELINE_ID", "test-pipeline-3")
+    with pytest.raises(KeyboardInterrupt):
+        with stage_run("train_bp"):
+            raise KeyboardInterrupt
+    statuses = {r.data.tags["edgeflux.kind"]: r.info.status for r in runs(MlflowClient(tracking_uri()))}
+    assert statuses == {"pipeline": "KILLED", "stage": "KILLED"}
+    assert mlflow.active_run() is None
+
+
 def test_different_pipelines_get_different_parents(monkeypatch):
     for pid in ("p-a", "p-b"):
         monkeypatch.setenv("EDGEFLUX_PIPELINE_ID", pid)
@@ -60,3 +75,28 @@ def test_pipeline_id_outside_dvc_is_this_process():
 
 def test_flatten():
     assert flatten({"a": {"b": 1, "c": [1, 2]}, "d": None}) == {"a.b": 1, "a.c": "[1, 2]", "d": None}
+
+
+def test_runs_left_running_by_a_killed_process_are_closed_as_killed(monkeypatch):
+    """A SIGKILL (or a power cut) leaves the stage's run and its parent RUNNING: the process could not close
+    them. The next stage on this host marks them KILLED; a RUNNING run of a live process is left alone."""
+    killed = subprocess.run([sys.executable, "-c", (
+        "import os, signal\n"
+        "from edgeflux.tracking import stage_run\n"
+        "with stage_run('train_bp'):\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n")],
+        env={**os.environ, "EDGEFLUX_PIPELINE_ID": "killed-pipeline"}, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL
+    client = MlflowClient(tracking_uri())
+    assert {r.data.tags["edgeflux.kind"]: r.info.status for r in runs(client)} == {"pipeline": "RUNNING",
+                                                                                   "stage": "RUNNING"}
+    monkeypatch.setenv("EDGEFLUX_PIPELINE_ID", "next-pipeline")
+    with stage_run("train_bp") as live:
+        # this process's own run is RUNNING now, and its process alive: a clean-up leaves it alone
+        assert close_orphaned_runs(client, client.get_run(live.run_id).info.experiment_id) == []
+        assert client.get_run(live.run_id).info.status == "RUNNING"
+    pipelines = {r.data.tags["edgeflux.pipeline_id"]: r.info.status for r in runs(client)
+                 if r.data.tags["edgeflux.kind"] == "pipeline"}
+    assert pipelines == {"killed-pipeline": "KILLED", "next-pipeline": "FINISHED"}
+    assert sorted(r.info.status for r in runs(client) if r.data.tags["edgeflux.kind"] == "stage") == ["FINISHED",
+                                                                                                      "KILLED"]

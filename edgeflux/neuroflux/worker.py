@@ -45,8 +45,8 @@ from torch import Tensor, nn
 
 from edgeflux.artifacts import atomic_write, read_json, write_json
 from edgeflux.config import NeuroFluxParams, TrainOptions
-from edgeflux.memory import (BudgetTooSmallError, StepContext, StepMemory, format_bytes, max_batch_under_budget,
-                             measure_step, no_context)
+from edgeflux.memory import (CONTENT_SAMPLES, BudgetTooSmallError, StepContext, StepMemory, format_bytes,
+                             largest_over_batches, max_batch_under_budget, measure_step, no_context)
 from edgeflux.train import (load_checkpoint, make_optimizer, progress_bar, rng_state, run_signature, save_checkpoint,
                             set_rng_state, tensor_digest)
 
@@ -121,12 +121,13 @@ class NeuroFluxRun:
 # ----------------------------------------------------------------------------- one block step
 
 def _block_step(learners: Sequence[LocalLearner], optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor,
-                prefix: nn.Module | None, context: StepContext) -> float:
+                prefix: nn.Module | None, context: StepContext, entered: list | None = None) -> float:
     """Algorithm 2, lines 2-8, for one batch: each unit learns from its own local loss, in order.
 
     One optimizer holds the block's parameters; after zero_grad(set_to_none) only the current
     unit has gradients, and SGD/Adam skip parameters without one, so each step() updates exactly
     the unit that was just backpropagated (the same as one optimizer per unit).
+    entered: if given, each unit's entered context is appended (to read its accounting).
     """
     if prefix is not None:          # classic local learning: recompute the input through trained units
         with torch.no_grad():
@@ -134,10 +135,12 @@ def _block_step(learners: Sequence[LocalLearner], optimizer: torch.optim.Optimiz
     loss_sum = 0.0
     for learner in learners:
         optimizer.zero_grad(set_to_none=True)
-        with context(learner):
+        with context(learner) as unit_context:
             out, logits = learner.forward_with_output(x)
             loss = F.cross_entropy(logits, y)
             loss.backward()
+        if entered is not None:
+            entered.append(unit_context)
         optimizer.step()
         loss_sum += loss.item()
         x = out.detach()
@@ -156,27 +159,44 @@ def measure_block_peak(learners: Sequence[LocalLearner], opts: TrainOptions, x: 
     x, y = x.to(device), y.to(device)
     _block_step(block, optimizer, x.clone(), y, frozen, context)
     model = nn.ModuleList([block, frozen]) if frozen is not None else block
-    return measure_step(lambda: _block_step(block, optimizer, x, y, frozen, context), model=model,
-                        optimizer=optimizer, inputs=(x, y), units=[(f"unit{i}", m) for i, m in enumerate(block)],
-                        device=device)
+    entered: list = []
+    memory = measure_step(lambda: _block_step(block, optimizer, x, y, frozen, context, entered), model=model,
+                          optimizer=optimizer, inputs=(x, y), units=[(f"unit{i}", m) for i, m in enumerate(block)],
+                          device=device)
+    if all(hasattr(c, "summary") for c in entered):
+        # As in memory.measure_training_peak: a context with saved-tensor hooks of its own (BitTrain)
+        # is innermost, so measure_step's counting saw nothing; what was saved is what it stored.
+        stored = {f"unit{i}": c.summary()["total"] for i, c in enumerate(entered)}
+        memory.activation_storage = {"units": stored}
+        memory.saved_by_unit = {name: unit["stored_bytes"] for name, unit in stored.items()}
+        memory.saved_bytes = sum(memory.saved_by_unit.values())
+    return memory
 
 
 def fit_block_batch(learners: Sequence[LocalLearner], opts: TrainOptions, source, planned: int,
                     budget_bytes: int | None, prefix: nn.Module | None, context: StepContext | None,
                     device: torch.device) -> tuple[int, StepMemory]:
-    """The planned batch if its measured block step fits the budget, else the largest that does."""
+    """The planned batch if its measured block step fits the budget, else the largest that does.
+
+    Measured on the first batch of the planned size; where the step stores activations by their
+    content (BitTrain), the peak of a batch size is the largest over the first CONTENT_SAMPLES batches.
+    """
     batches = iter(Batches(source, planned, shuffle=False))
-    sample = next(batches)
-    getattr(batches, "close", lambda: None)()   # stop the prefetcher: one batch is all we need
+    samples = [batch for _, batch in zip(range(CONTENT_SAMPLES), batches)]
+    getattr(batches, "close", lambda: None)()   # stop the prefetcher: these batches are all we need
     measured: dict[int, StepMemory] = {}
 
-    def peak(batch: int) -> int:
+    def measure(batch: int, i: int) -> StepMemory:
         # clone: a batch may be a view into a whole shard or dataset; the step holds only the batch
-        measured[batch] = measure_block_peak(learners, opts, sample[0][:batch].clone(), sample[1][:batch].clone(),
-                                             prefix, context, device)
+        x, y = samples[i]
+        return measure_block_peak(learners, opts, x[:batch].clone(), y[:batch].clone(), prefix, context, device)
+
+    def peak(batch: int) -> int:
+        full = [i for i, (x, _) in enumerate(samples) if len(x) >= batch]   # a last short batch may be smaller
+        measured[batch] = largest_over_batches(lambda i: measure(batch, full[i]), available=len(full))
         return measured[batch].peak_bytes
 
-    planned = min(planned, len(sample[0]))
+    planned = min(planned, len(samples[0][0]))
     if budget_bytes is None or peak(planned) <= budget_bytes:
         if planned not in measured:
             peak(planned)
