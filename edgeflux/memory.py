@@ -464,6 +464,13 @@ class StepMemory:
     buffer_bytes: int = 0                # BN running statistics etc.
     activation_storage: dict | None = None   # the step context's own accounting (e.g. BitTrain's summary)
 
+    def set_stored(self, storage: dict, stored_by_unit: dict[str, int]) -> None:
+        """A step context with saved-tensor hooks of its own (BitTrain) is innermost, so the generic
+        count of saved tensors saw nothing: what was saved for backward is what the context stored."""
+        self.activation_storage = storage
+        self.saved_by_unit = dict(stored_by_unit)
+        self.saved_bytes = sum(self.saved_by_unit.values())
+
     def to_dict(self) -> dict:
         # unit_order: saved_by_unit's keys in model order (JSON files are written with sorted keys)
         return {**asdict(self), "unit_order": list(self.saved_by_unit)}
@@ -629,12 +636,8 @@ def measure_training_peak(model: nn.Module, optimizer_factory: Callable[[Iterabl
     step = training_step_fn(net, optimizer, x, y, context=context)
     memory = measure_step(step, model=net, optimizer=optimizer, inputs=(x, y), units=units, device=device)
     if hasattr(step.context, "summary"):
-        # A context with saved-tensor hooks of its own (BitTrain) is innermost, so measure_step's
-        # counting hooks saw nothing: what was saved for backward is what the context stored.
         summary = step.context.summary()
-        memory.activation_storage = summary
-        memory.saved_bytes = summary["total"]["stored_bytes"]
-        memory.saved_by_unit = {name: unit["stored_bytes"] for name, unit in summary["units"].items()}
+        memory.set_stored(summary, {name: unit["stored_bytes"] for name, unit in summary["units"].items()})
     return memory
 
 

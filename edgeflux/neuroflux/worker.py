@@ -163,13 +163,9 @@ def measure_block_peak(learners: Sequence[LocalLearner], opts: TrainOptions, x: 
     memory = measure_step(lambda: _block_step(block, optimizer, x, y, frozen, context, entered), model=model,
                           optimizer=optimizer, inputs=(x, y), units=[(f"unit{i}", m) for i, m in enumerate(block)],
                           device=device)
-    if all(hasattr(c, "summary") for c in entered):
-        # As in memory.measure_training_peak: a context with saved-tensor hooks of its own (BitTrain)
-        # is innermost, so measure_step's counting saw nothing; what was saved is what it stored.
+    if all(hasattr(c, "summary") for c in entered):   # (BitTrain: see StepMemory.set_stored)
         stored = {f"unit{i}": c.summary()["total"] for i, c in enumerate(entered)}
-        memory.activation_storage = {"units": stored}
-        memory.saved_by_unit = {name: unit["stored_bytes"] for name, unit in stored.items()}
-        memory.saved_bytes = sum(memory.saved_by_unit.values())
+        memory.set_stored({"units": stored}, {name: unit["stored_bytes"] for name, unit in stored.items()})
     return memory
 
 
