@@ -64,6 +64,7 @@ def _cases() -> dict[str, torch.Tensor]:
         "scalar_neg_zero": torch.tensor(-0.0),
         "empty": torch.empty(0, 3),
         "all_zero": torch.zeros(13),
+        "all_zero_groups": torch.zeros(5, 67),          # whole 16-element groups with nothing to store
         "all_nonzero": torch.rand(37, generator=g) + 1,
         "odd_length": torch.relu(torch.randn(1001, generator=g)),
         "specials": torch.tensor([float("nan"), -0.0, 0.0, float("inf"), -float("inf"), 1e-30, -2.0]),
@@ -132,6 +133,8 @@ def test_kernel_and_torch_paths_write_the_same_bytes(dtype, store_dtype, thresho
         t = torch.relu(torch.randn(n, generator=g)).to(dtype)
         if n > 4:
             t[1], t[3] = -0.0, float("inf")
+        if n > 64:
+            t[n // 2 - 40: n // 2 + 40] = 0         # whole groups with no value (the vector loops skip their store/load)
         a = compress(t, threshold=threshold, store_dtype=store_dtype)
         with kernel.disabled():
             b = compress(t, threshold=threshold, store_dtype=store_dtype)
