@@ -135,6 +135,8 @@ def test_kernel_and_torch_paths_write_the_same_bytes(dtype, store_dtype, thresho
             t[1], t[3] = -0.0, float("inf")
         if n > 64:
             t[n // 2 - 40: n // 2 + 40] = 0         # whole groups with no value (the vector loops skip their store/load)
+            # float16 storage's edge cases: a subnormal, an overflow to inf, and two ties (round to even)
+            t[5:10] = torch.tensor([1e-6, 7e4, 1 + 2 ** -11, 1 + 3 * 2 ** -11, -2.0 ** -24], dtype=torch.float64).to(dtype)
         a = compress(t, threshold=threshold, store_dtype=store_dtype)
         with kernel.disabled():
             b = compress(t, threshold=threshold, store_dtype=store_dtype)

@@ -60,13 +60,19 @@ template <typename T> Keep<T> make_keep(double threshold) {
 }
 
 #ifdef EDGEFLUX_X86
-// float32 -> float32 with AVX-512 (x86 CPUs that have it, detected at run time): vcompressps
-// packs a 16-element group's kept values in a register, a masked store writes them contiguously,
-// and vexpandps restores them, so both directions run at close to copy speed. (Not compress-to-
-// memory, vcompressps m512: AMD Zen 4 microcodes it, and it made compress 3x slower there.) The mask's bit j is element j, which is the bitmap's
-// bit order, so a 16-bit mask is two bitmap bytes. Pure bit moves: exact for NaN, -0.0, inf.
+// float32 tensors with AVX-512 (x86 CPUs that have it, detected at run time): vcompressps packs
+// a 16-element group's kept values in a register, a masked store writes them contiguously (as
+// float32 or float16, see Float32Values / Float16Values below), and vexpandps restores them, so
+// both directions run at close to copy speed. Not compress-to-memory (vcompressps m512): AMD
+// Zen 4 microcodes it (compress ran at 2.6 GB/s there, ~23 GB/s this way). A group with no value
+// skips its masked store/load: a masked access at the end of the values (an empty tensor's
+// pointer) can take a fault-suppression assist (all-zero tensors ran at 1.2 GB/s). The mask's
+// bit j is element j, which is the bitmap's bit order, so a 16-bit mask is two bitmap bytes.
+// float32 storage is pure bit moves: exact for NaN, -0.0, inf.
+// AVX512F with BW, VL and F16C: every AVX-512 CPU but the Xeon Phi line has all four.
 bool has_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f");
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c");
   return yes;
 }
 
@@ -93,8 +99,38 @@ int64_t count_block_f32_avx512(const float* x, int64_t lo, int64_t hi, double th
   return c;
 }
 
-__attribute__((target("avx512f,popcnt")))
-void compress_block_f32_avx512(const float* x, int64_t lo, int64_t hi, double threshold, uint8_t* bitmap, float* out) {
+// How a 16-float group's kept values are written to / read from the values: as float32, or as
+// float16 (store_dtype) with vcvtps2ph / vcvtph2ps (round to nearest even, as torch's casts; the
+// scalar loop's c10::Half is a software conversion, ~15x slower). A masked store / load of the
+// first c values, inside the values tensor.
+#define EDGEFLUX_AVX512 "avx512f,avx512bw,avx512vl,f16c,popcnt"
+
+struct Float32Values {
+  using T = float;
+  __attribute__((target(EDGEFLUX_AVX512))) static inline void store(T* out, __mmask16 first, __m512 v) {
+    _mm512_mask_storeu_ps(out, first, v);
+  }
+  __attribute__((target(EDGEFLUX_AVX512))) static inline __m512 load(const T* values, __mmask16 first) {
+    return _mm512_maskz_loadu_ps(first, values);
+  }
+};
+
+struct Float16Values {
+  using T = uint16_t;
+  __attribute__((target(EDGEFLUX_AVX512))) static inline void store(T* out, __mmask16 first, __m512 v) {
+    _mm256_mask_storeu_epi16(out, first, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  __attribute__((target(EDGEFLUX_AVX512))) static inline __m512 load(const T* values, __mmask16 first) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first, values));
+  }
+};
+
+inline __mmask16 first_n(int c) { return __mmask16((1u << c) - 1); }
+
+template <typename V>
+__attribute__((target(EDGEFLUX_AVX512)))
+void compress_block_avx512(const float* x, int64_t lo, int64_t hi, double threshold, uint8_t* bitmap,
+                           typename V::T* out) {
   const bool prune = threshold > 0;
   const __m512 t = _mm512_set1_ps(static_cast<float>(threshold));
   int64_t g = lo;                                   // lo is a multiple of 8: g >> 3 is g's bitmap byte
@@ -102,24 +138,25 @@ void compress_block_f32_avx512(const float* x, int64_t lo, int64_t hi, double th
     const __m512 v = _mm512_loadu_ps(x + g);
     const __mmask16 keep = keep_mask_f32(v, 0xFFFF, prune, t);
     const int c = __builtin_popcount(keep);
-    if (c) _mm512_mask_storeu_ps(out, __mmask16((1u << c) - 1), _mm512_maskz_compress_ps(keep, v));
+    if (c) V::store(out, first_n(c), _mm512_maskz_compress_ps(keep, v));
     out += c;
     const uint16_t two_bytes = keep;
     std::memcpy(bitmap + (g >> 3), &two_bytes, 2);   // little-endian: element g's byte first
   }
   if (g < hi) {                                     // the block's last 1-15 elements
     const int64_t m = hi - g;
-    const __mmask16 valid = __mmask16((1u << m) - 1);
+    const __mmask16 valid = first_n(int(m));
     const __m512 v = _mm512_maskz_loadu_ps(valid, x + g);
     const __mmask16 keep = keep_mask_f32(v, valid, prune, t);
-    if (keep) _mm512_mask_storeu_ps(out, __mmask16((1u << __builtin_popcount(keep)) - 1), _mm512_maskz_compress_ps(keep, v));
+    if (keep) V::store(out, first_n(__builtin_popcount(keep)), _mm512_maskz_compress_ps(keep, v));
     bitmap[g >> 3] = static_cast<uint8_t>(keep);
     if (m > 8) bitmap[(g >> 3) + 1] = static_cast<uint8_t>(keep >> 8);
   }
 }
 
-__attribute__((target("avx512f,popcnt")))
-void decompress_block_f32_avx512(const uint8_t* bitmap, const float* values, int64_t lo, int64_t hi, float* out) {
+template <typename V>
+__attribute__((target(EDGEFLUX_AVX512)))
+void decompress_block_avx512(const uint8_t* bitmap, const typename V::T* values, int64_t lo, int64_t hi, float* out) {
   int64_t g = lo;
   // a masked load of the group's values, expanded in registers: faster than expand-from-memory
   // (vexpandps m512) in cache, the same out of it; the mask keeps the load inside the values
@@ -127,15 +164,14 @@ void decompress_block_f32_avx512(const uint8_t* bitmap, const float* values, int
     uint16_t bits; std::memcpy(&bits, bitmap + (g >> 3), 2);
     if (bits == 0) { _mm512_storeu_ps(out + g, _mm512_setzero_ps()); continue; }
     const int c = __builtin_popcount(bits);
-    const __m512 v = _mm512_maskz_loadu_ps(__mmask16((1u << c) - 1), values);
-    _mm512_storeu_ps(out + g, _mm512_maskz_expand_ps(__mmask16(bits), v));
+    _mm512_storeu_ps(out + g, _mm512_maskz_expand_ps(__mmask16(bits), V::load(values, first_n(c))));
     values += c;
   }
   if (g < hi) {
     const int64_t m = hi - g;
     const unsigned bits = bitmap[g >> 3] | (m > 8 ? unsigned(bitmap[(g >> 3) + 1]) << 8 : 0u);
-    const __m512 v = _mm512_maskz_loadu_ps(__mmask16((1u << __builtin_popcount(bits)) - 1), values);
-    _mm512_mask_storeu_ps(out + g, __mmask16((1u << m) - 1), _mm512_maskz_expand_ps(__mmask16(bits), v));
+    const __m512 v = V::load(values, first_n(__builtin_popcount(bits)));
+    _mm512_mask_storeu_ps(out + g, first_n(int(m)), _mm512_maskz_expand_ps(__mmask16(bits), v));
   }
 }
 #endif
@@ -208,7 +244,13 @@ void compress_impl(const S* x, int64_t n, int64_t block, double threshold, const
       D* out = values + offsets[b];
 #ifdef EDGEFLUX_X86
       if constexpr (std::is_same_v<S, float> && std::is_same_v<D, float>) {
-        if (has_avx512()) { compress_block_f32_avx512(x, lo, hi, threshold, bitmap, out); continue; }
+        if (has_avx512()) { compress_block_avx512<Float32Values>(x, lo, hi, threshold, bitmap, out); continue; }
+      }
+      if constexpr (std::is_same_v<S, float> && std::is_same_v<D, c10::Half>) {
+        if (has_avx512()) {
+          compress_block_avx512<Float16Values>(x, lo, hi, threshold, bitmap, reinterpret_cast<uint16_t*>(out));
+          continue;
+        }
       }
 #endif
       for (int64_t g = lo; g < hi; g += 64) {        // 64 elements: 8 bitmap bytes
@@ -254,7 +296,13 @@ void decompress_impl(const uint8_t* bitmap, const S* values, int64_t nnz, int64_
       int64_t k = offsets[b];
 #ifdef EDGEFLUX_X86
       if constexpr (std::is_same_v<S, float> && std::is_same_v<D, float>) {
-        if (has_avx512()) { decompress_block_f32_avx512(bitmap, values + k, lo, hi, out); continue; }
+        if (has_avx512()) { decompress_block_avx512<Float32Values>(bitmap, values + k, lo, hi, out); continue; }
+      }
+      if constexpr (std::is_same_v<S, c10::Half> && std::is_same_v<D, float>) {
+        if (has_avx512()) {
+          decompress_block_avx512<Float16Values>(bitmap, reinterpret_cast<const uint16_t*>(values) + k, lo, hi, out);
+          continue;
+        }
       }
 #endif
       for (int64_t g = lo; g < hi; g += 8) {
