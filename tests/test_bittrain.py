@@ -1,5 +1,6 @@
 """BitTrain: the bitmap format is exact and exactly sized; compressed saved activations give
 bit-identical gradients on real Fashion-MNIST images and measurably less memory."""
+import contextlib
 import copy
 import gc
 import math
@@ -35,13 +36,15 @@ def nonzero_bits(t: torch.Tensor) -> int:
     return int((bits(t) != 0).sum())
 
 
-@pytest.fixture(params=["kernel", "torch"])
+@pytest.fixture(params=["kernel", "kernel-portable", "torch"])
 def bitmap_path(request):
-    """Run a test on the compiled CPU kernel and on the torch-op path (both write the same format)."""
-    if request.param == "kernel":
+    """Run a test on the compiled CPU kernel (with its AVX-512 loops where the CPU has them, and with its
+    portable loops: an ARM board's) and on the torch-op path (all write the same format)."""
+    if request.param.startswith("kernel"):
         if not kernel.available():
             pytest.skip("the C++ bitmap kernel could not be built here (needs g++ and ninja)")
-        yield request.param
+        with kernel.portable_loops() if request.param == "kernel-portable" else contextlib.nullcontext():
+            yield request.param
     else:
         with kernel.disabled():
             yield request.param
@@ -113,17 +116,25 @@ def test_compressing_needs_one_chunk_of_temporaries_not_a_tensors_worth(threshol
         before = tracker.current_bytes
         packed = compress(t, threshold=threshold)
         transient = tracker.peak_bytes - before - packed.nbytes
-    if bitmap_path == "kernel":
+    if bitmap_path.startswith("kernel"):
         assert transient == 0
     else:
         assert 0 < transient <= 32 * _chunk(t.numel()) <= t.numel() * t.element_size() // 4
 
 
-@pytest.mark.skipif(not kernel.available(), reason="the C++ bitmap kernel could not be built here")
+@pytest.fixture(params=["vector", "portable"])
+def kernel_loops(request):
+    """The compiled kernel with its AVX-512 loops (where the CPU has them) and with its portable loops."""
+    if not kernel.available():
+        pytest.skip("the C++ bitmap kernel could not be built here (needs g++ and ninja)")
+    with kernel.portable_loops() if request.param == "portable" else contextlib.nullcontext():
+        yield request.param
+
+
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 @pytest.mark.parametrize("store_dtype", [None, torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("threshold", [0.0, 0.05, 1.0])
-def test_kernel_and_torch_paths_write_the_same_bytes(dtype, store_dtype, threshold):
+def test_kernel_and_torch_paths_write_the_same_bytes(dtype, store_dtype, threshold, kernel_loops):
     """The compiled kernel and the torch ops produce identical bitmaps and values (every size class:
     a partial byte, a partial 16-element group, several kernel blocks) and restore each other's output.
     (No NaN here: the torch path's scatter canonicalises bfloat16 NaN payloads; the round-trip test
@@ -148,9 +159,8 @@ def test_kernel_and_torch_paths_write_the_same_bytes(dtype, store_dtype, thresho
         assert torch.equal(bits(from_torch), bits(from_kernel)), n
 
 
-@pytest.mark.skipif(not kernel.available(), reason="the C++ bitmap kernel could not be built here")
 @pytest.mark.parametrize("threshold", [0.0, 0.05])
-def test_kernel_block_size_does_not_change_the_bytes(threshold):
+def test_kernel_block_size_does_not_change_the_bytes(threshold, kernel_loops):
     """Blocks that split a 16-element group (8, 24, 40: the vector loops' tails inside a block) write
     and restore the same bytes as one whole block."""
     g = torch.Generator().manual_seed(2)

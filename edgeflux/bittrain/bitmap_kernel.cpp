@@ -59,6 +59,12 @@ template <typename T> Keep<T> make_keep(double threshold) {
   return Keep<T>{threshold > 0, static_cast<opmath_t<T>>(static_cast<T>(threshold))};
 }
 
+// Whether the AVX-512 loops may run where the CPU has them. Tests switch them off to run the
+// portable loops (what an ARM board or an older x86 CPU runs) on a machine that has AVX-512.
+std::atomic<bool> g_vector_loops{true};
+
+bool set_vector_loops(bool on) { return g_vector_loops.exchange(on); }
+
 #ifdef EDGEFLUX_X86
 // float32 tensors with AVX-512 (x86 CPUs that have it, detected at run time): vcompressps packs
 // a 16-element group's kept values in a register, a masked store writes them contiguously (as
@@ -71,9 +77,9 @@ template <typename T> Keep<T> make_keep(double threshold) {
 // float32 storage is pure bit moves: exact for NaN, -0.0, inf.
 // AVX512F with BW, VL and F16C: every AVX-512 CPU but the Xeon Phi line has all four.
 bool has_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+  static const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c");
-  return yes;
+  return cpu && g_vector_loops.load(std::memory_order_relaxed);
 }
 
 // The keep-mask of 16 floats (see Keep): bits 0..m-1 of the result.
@@ -616,6 +622,7 @@ TORCH_LIBRARY(edgeflux_bitmap, m) {
   m.def("range_mask(Tensor flat, float lo, float hi) -> (Tensor, int)");
   m.def("fill_from_mask(Tensor bitmap, float inside, float outside, Tensor(a!) out) -> ()");
   m.def("count_each(Tensor[] tensors, float threshold) -> int[]");
+  m.def("set_vector_loops(bool on) -> bool", set_vector_loops);   // (no tensor: one kernel for every device)
 }
 
 TORCH_LIBRARY_IMPL(edgeflux_bitmap, CPU, m) {

@@ -14,7 +14,8 @@ milliseconds. Both formats are the same bytes: either path restores what the oth
 When the build is not possible (no compiler: ``apt-get install g++``; no ninja: ``pip install
 ninja``) a warning says so once and bitmap.py keeps using its torch-op path: slower, same results.
 ``EDGEFLUX_BITTRAIN_KERNEL=0`` turns the compiled path off; ``with kernel.disabled():`` does so
-for a block of code (the benchmark compares the two).
+for a block of code (the benchmark compares the two). ``with kernel.portable_loops():`` keeps the
+compiled path but without its AVX-512 loops: the loops an ARM board runs, testable on x86.
 """
 from __future__ import annotations
 
@@ -50,6 +51,19 @@ def disabled() -> Iterator[None]:
         yield
     finally:
         _disabled.on = before
+
+
+@contextmanager
+def portable_loops() -> Iterator[None]:
+    """Inside the block the compiled ops run their portable C++ loops, not the AVX-512 ones (process-wide;
+    for tests: on a CPU without AVX-512, such as a Jetson's or a Raspberry Pi's, these are the only loops)."""
+    if not available():
+        raise RuntimeError("the compiled bitmap kernel is not available (see kernel.available())")
+    before = torch.ops.edgeflux_bitmap.set_vector_loops(False)
+    try:
+        yield
+    finally:
+        torch.ops.edgeflux_bitmap.set_vector_loops(before)
 
 
 def available() -> bool:
