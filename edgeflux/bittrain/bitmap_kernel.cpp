@@ -107,7 +107,7 @@ int64_t count_block_f32_avx512(const float* x, int64_t lo, int64_t hi, double th
 
 // How a 16-float group's kept values are written to / read from the values: as float32, or as
 // float16 (store_dtype) with vcvtps2ph / vcvtph2ps (round to nearest even, as torch's casts; the
-// scalar loop's c10::Half is a software conversion, ~15x slower). A masked store / load of the
+// scalar loop's c10::Half is a software conversion, over 10x slower). A masked store / load of the
 // first c values, inside the values tensor.
 #define EDGEFLUX_AVX512 "avx512f,avx512bw,avx512vl,f16c,popcnt"
 
@@ -622,7 +622,7 @@ TORCH_LIBRARY(edgeflux_bitmap, m) {
   m.def("range_mask(Tensor flat, float lo, float hi) -> (Tensor, int)");
   m.def("fill_from_mask(Tensor bitmap, float inside, float outside, Tensor(a!) out) -> ()");
   m.def("count_each(Tensor[] tensors, float threshold) -> int[]");
-  m.def("set_vector_loops(bool on) -> bool", set_vector_loops);   // (no tensor: one kernel for every device)
+  m.def("set_vector_loops(bool on) -> bool", set_vector_loops);   // (no tensor argument: one kernel, no dispatch)
 }
 
 TORCH_LIBRARY_IMPL(edgeflux_bitmap, CPU, m) {

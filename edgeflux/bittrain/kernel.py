@@ -7,7 +7,7 @@ Why compiled: in torch ops, selecting the kept values needs a mask, a running co
 scatter (4-6 passes over memory plus temporaries), which made a VGG-16 training step 1.5-2x
 slower on CPU. The C++ loops read the tensor once to count and once to write, and restore it in
 one pass. torch.utils.cpp_extension builds them with the machine's C++ compiler and ninja the
-first time they are needed (about half a minute) and caches the library under
+first time they are needed (about 15 s on a 2-core VM) and caches the library under
 ``$TORCH_EXTENSIONS_DIR`` (default ~/.cache/torch_extensions); later processes load it in
 milliseconds. Both formats are the same bytes: either path restores what the other stored.
 
