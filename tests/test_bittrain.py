@@ -36,18 +36,18 @@ def nonzero_bits(t: torch.Tensor) -> int:
     return int((bits(t) != 0).sum())
 
 
+def _compiled_kernel(portable: bool):
+    """The compiled kernel with its AVX-512 loops (where the CPU has them) or its portable loops (an ARM board's)."""
+    if not kernel.available():
+        pytest.skip("the C++ bitmap kernel could not be built here (needs g++ and ninja)")
+    return kernel.portable_loops() if portable else contextlib.nullcontext()
+
+
 @pytest.fixture(params=["kernel", "kernel-portable", "torch"])
 def bitmap_path(request):
-    """Run a test on the compiled CPU kernel (with its AVX-512 loops where the CPU has them, and with its
-    portable loops: an ARM board's) and on the torch-op path (all write the same format)."""
-    if request.param.startswith("kernel"):
-        if not kernel.available():
-            pytest.skip("the C++ bitmap kernel could not be built here (needs g++ and ninja)")
-        with kernel.portable_loops() if request.param == "kernel-portable" else contextlib.nullcontext():
-            yield request.param
-    else:
-        with kernel.disabled():
-            yield request.param
+    """Run a test on the compiled CPU kernel (both loop kinds) and on the torch-op path (all write the same format)."""
+    with kernel.disabled() if request.param == "torch" else _compiled_kernel(request.param == "kernel-portable"):
+        yield request.param
 
 
 @pytest.fixture(scope="module")
@@ -124,10 +124,7 @@ def test_compressing_needs_one_chunk_of_temporaries_not_a_tensors_worth(threshol
 
 @pytest.fixture(params=["vector", "portable"])
 def kernel_loops(request):
-    """The compiled kernel with its AVX-512 loops (where the CPU has them) and with its portable loops."""
-    if not kernel.available():
-        pytest.skip("the C++ bitmap kernel could not be built here (needs g++ and ninja)")
-    with kernel.portable_loops() if request.param == "portable" else contextlib.nullcontext():
+    with _compiled_kernel(request.param == "portable"):
         yield request.param
 
 
