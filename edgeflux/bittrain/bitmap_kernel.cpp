@@ -176,7 +176,7 @@ void decompress_block_avx512(const uint8_t* bitmap, const typename V::T* values,
   if (g < hi) {
     const int64_t m = hi - g;
     const unsigned bits = bitmap[g >> 3] | (m > 8 ? unsigned(bitmap[(g >> 3) + 1]) << 8 : 0u);
-    const __m512 v = V::load(values, first_n(__builtin_popcount(bits)));
+    const __m512 v = bits ? V::load(values, first_n(__builtin_popcount(bits))) : _mm512_setzero_ps();
     _mm512_mask_storeu_ps(out + g, first_n(int(m)), _mm512_maskz_expand_ps(__mmask16(bits), v));
   }
 }
