@@ -216,6 +216,55 @@ def test_measure_training_peak_is_steady_state_and_leaves_model_alone():
     assert all(p.grad is None for p in model.parameters())
 
 
+def _linear_step():
+    torch.manual_seed(0)
+    net = nn.Linear(128, 128)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x, y = torch.randn(8, 128), torch.randint(0, 128, (8,))
+    return net, opt, x, y, training_step_fn(net, opt, x, y)
+
+
+def test_measure_step_collects_garbage_of_earlier_steps_first():
+    # An unreachable reference cycle that still holds last step's gradient: left alive, that
+    # gradient would be freed by zero_grad only when the collector ran (during the step, or
+    # never), and count until then beside the new one.
+    net, opt, x, y, step = _linear_step()
+    step()
+    clean = measure_step(step, model=net, optimizer=opt, inputs=(x, y)).peak_bytes
+    step()
+    cycle: list = [net.weight.grad]
+    cycle.append(cycle)
+    del cycle
+    assert measure_step(step, model=net, optimizer=opt, inputs=(x, y)).peak_bytes == clean
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_measure_step_pauses_the_cycle_collector_and_restores_it(enabled):
+    import gc
+
+    net, opt, x, y, step = _linear_step()
+    inside = []
+
+    def probe():
+        inside.append(gc.isenabled())
+        return step()
+
+    def failing():
+        inside.append(gc.isenabled())
+        raise RuntimeError("step failed")
+
+    (gc.enable if enabled else gc.disable)()
+    try:
+        measure_step(probe, model=net, optimizer=opt, inputs=(x, y))
+        assert gc.isenabled() is enabled
+        with pytest.raises(RuntimeError, match="step failed"):
+            measure_step(failing, model=net, optimizer=opt, inputs=(x, y))
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable()
+    assert inside == [False, False]      # nothing inside a measured step is freed by the collector
+
+
 def test_peak_grows_linearly_with_batch():
     model = small_cnn()
     batches = [1, 2, 4, 8]
