@@ -29,7 +29,7 @@ from torch import nn
 
 from edgeflux.artifacts import atomic_write
 from edgeflux.config import TrainOptions
-from edgeflux.data import batches
+from edgeflux.data import Images, batches
 from edgeflux.memory import StepContext, no_context
 
 log = logging.getLogger(__name__)
@@ -90,13 +90,15 @@ def run_signature(**parts) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def tensor_digest(*tensors: torch.Tensor) -> str:
+def tensor_digest(*tensors: torch.Tensor | Images) -> str:
     """sha256 over the tensors' dtypes, shapes and bytes: any changed value, label or sample order shows.
 
-    (Hashes the memory in place, ~1 GB/s; a contiguous CPU tensor is not copied.)
+    (Hashes the memory in place, ~1 GB/s; a contiguous CPU tensor is not copied. Images are
+    hashed as what defines their values: the uint8 pixels and the normalisation.)
     """
     h = hashlib.sha256()
-    for t in tensors:
+    flat = [part for t in tensors for part in ((t.pixels, t.mean, t.std) if isinstance(t, Images) else (t,))]
+    for t in flat:
         t = t.detach().cpu().contiguous()
         h.update(f"{t.dtype}{list(t.shape)};".encode())
         if t.numel():

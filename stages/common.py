@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import csv
 import logging
 import resource
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from rich.logging import RichHandler
 
@@ -58,6 +60,15 @@ class Interrupted(KeyboardInterrupt):
 
 def _interrupt(signum: int, frame) -> None:
     raise Interrupted(signum)
+
+
+def write_history_csv(path: Path, history: list[dict]) -> None:
+    """The accuracy-vs-time rows DVC plots (dvc.yaml's plots: x time_s, y val_acc)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["step", "epoch", "time_s", "train_loss", "val_acc"])
+        writer.writeheader()
+        writer.writerows(history)
 
 
 def peak_rss_bytes() -> int:

@@ -20,8 +20,7 @@ from edgeflux.neuroflux.profile import load_profile
 from edgeflux.neuroflux.worker import CacheOptions, train_blocks
 from edgeflux.tracking import stage_run
 from edgeflux.train import resolve_device
-from stages.common import run_stage, stage_parser
-from stages.train_bp import write_history_csv
+from stages.common import peak_rss_bytes, run_stage, stage_parser, write_history_csv
 
 BLOCKS, PROFILE = Path("partition/blocks.json"), Path("profile/memory.json")
 CACHE, CHECKPOINTS = Path("cache/neuroflux"), Path(".edgeflux/checkpoints/neuroflux")
@@ -53,6 +52,8 @@ def main(args, params) -> None:
                    "train_time_s": result.train_time_s, "steps": sum(b.steps for b in result.blocks),
                    "cache_bytes": sum(b.cache_bytes for b in result.blocks),
                    "profile_time_s": profile_s, "profile_overhead": profile_s / max(result.train_time_s, 1e-9),
+                   # the whole process on the host (torch, data, caches read): not what the budget bounds
+                   "peak_rss_bytes": peak_rss_bytes(),
                    # the names every stage shares (edgeflux.tracking): the full model's, and the batch of
                    # the block with the smallest one (each block trains at its own, in batch_sizes)
                    "batch_size": min(b.batch_size for b in result.blocks), "params": exit_params(learners, last),

@@ -8,7 +8,6 @@ memory/train_bp.json (the measurements behind the batch size).
 """
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 from edgeflux.artifacts import save_model, write_json
@@ -17,18 +16,10 @@ from edgeflux.data import load_prepared, tensors
 from edgeflux.models import build_model
 from edgeflux.tracking import stage_run
 from edgeflux.train import resolve_device
-from stages.common import run_stage, stage_parser
+from stages.common import peak_rss_bytes, run_stage, stage_parser, write_history_csv
 
 METRICS, PLOT, MEMORY = Path("metrics/train_bp.json"), Path("plots/train_bp.csv"), Path("memory/train_bp.json")
 MODEL, CHECKPOINT = Path("models/train_bp.pt"), Path(".edgeflux/checkpoints/train_bp.pt")
-
-
-def write_history_csv(path: Path, history: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["step", "epoch", "time_s", "train_loss", "val_acc"])
-        writer.writeheader()
-        writer.writerows(history)
 
 
 def main(args, params) -> None:
@@ -43,7 +34,9 @@ def main(args, params) -> None:
         result = train_under_budget(model, train, tensors(data, "target_val"), tensors(data, "target_test"),
                                     len(data.classes), p, p, device, checkpoint=CHECKPOINT, desc="train_bp",
                                     context=p.bittrain.context)
-        metrics = {"model": p.model.key, "device": str(device), **result.metrics()}
+        metrics = {"model": p.model.key, "device": str(device), **result.metrics(),
+                   # the whole process on the host (torch, data): not what the budget bounds
+                   "peak_rss_bytes": peak_rss_bytes()}
         write_json(METRICS, metrics)
         write_json(MEMORY, result.memory_report())
         write_history_csv(PLOT, result.train.history)

@@ -67,12 +67,12 @@ def test_evaluation_at_the_training_batch_stays_under_the_training_peak(mnist_su
     step_peak = peak_at(m, 32)
     # the state a model is in mid-training: gradients and momentum buffers alive
     opt = optimizer_factory(OPTS)(m.parameters())
-    x, y = tensors(mnist_subset, "val", limit=96)
+    x, y = tensors(mnist_subset, "val", limit=96)   # Images: each evaluation batch is read from uint8
     torch.nn.functional.cross_entropy(m(x[:32]), y[:32]).backward()
     opt.step()
     state = list(m.parameters()) + [p.grad for p in m.parameters()] + [
         t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
-    with track_live_tensors(seed=state + [x, y]) as tracker:
+    with track_live_tensors(seed=state + [x.pixels, y]) as tracker:
         evaluate(m, x, y, batch_size=32)
     assert 0 < tracker.peak_bytes < step_peak
 
@@ -111,7 +111,7 @@ def test_with_bittrain_the_batch_peak_is_the_largest_of_several_batches(mnist_su
     from edgeflux.memory import CONTENT_SAMPLES
 
     x, y = tensors(mnist_subset, "train", limit=64)
-    x = x.clone()
+    x = x[:]   # a float32 tensor of the images, to edit
     x[16:32] = x.min()                     # the second batch of 16: blank images
     m = build_model("vgg11", num_classes=10, in_channels=1, width=0.125, seed=0)
     context = BitTrainParams(enabled=True).context

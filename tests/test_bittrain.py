@@ -54,7 +54,8 @@ def bitmap_path(request):
 def fmnist():
     """64 real Fashion-MNIST training images at 32x32, normalised as the pipeline does."""
     from edgeflux.data import load_raw, prepare, tensors
-    return tensors(prepare(load_raw("fashion-mnist"), image_size=32), "train", limit=64)
+    x, y = tensors(prepare(load_raw("fashion-mnist"), image_size=32), "train", limit=64)
+    return x[:], y
 
 
 def _cases() -> dict[str, torch.Tensor]:

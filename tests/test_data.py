@@ -24,6 +24,7 @@ from edgeflux.data import (
     save_prepared,
     tensors,
 )
+from edgeflux.train import tensor_digest
 
 FMNIST_CLASSES = [
     "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
@@ -410,16 +411,47 @@ def test_tensors_normalised_on_train(prepared):
     train = prepared.images[prepared.splits["train"]].double() / 255
     assert prepared.mean[0] == pytest.approx(train.mean().item(), abs=1e-9)
     assert prepared.std[0] == pytest.approx(train.std(unbiased=False).item(), abs=1e-9)
-    x, y = tensors(prepared, "train")
-    assert x.dtype == torch.float32 and x.shape == (54_000, 1, 32, 32) and y.dtype == torch.int64
+    images, y = tensors(prepared, "train")
+    assert images.dtype == torch.float32 and images.shape == (54_000, 1, 32, 32) and y.dtype == torch.int64
+    x = images[:]
+    assert x.dtype == torch.float32 and x.shape == (54_000, 1, 32, 32)
     assert abs(x.double().mean().item()) < 1e-4
     assert abs(x.double().std().item() - 1) < 1e-4
     xs, ys = tensors(prepared, "val", limit=100)
     first = prepared.splits["val"][:100]
     assert torch.equal(ys, prepared.labels[first])
-    assert torch.allclose(xs, (prepared.images[first].float() / 255 - prepared.mean[0]) / prepared.std[0])
+    assert torch.allclose(xs[:], (prepared.images[first].float() / 255 - prepared.mean[0]) / prepared.std[0])
     with pytest.raises(KeyError, match="source_train"):
         tensors(prepared, "training")
+
+
+def test_images_hold_uint8_and_read_exactly_what_normalising_the_whole_split_gives(prepared):
+    idx = prepared.splits["val"][:500]
+    pixels = prepared.images[idx]
+    mean = torch.tensor(prepared.mean).view(1, -1, 1, 1)
+    std = torch.tensor(prepared.std).view(1, -1, 1, 1)
+    whole = pixels.float().div_(255).sub_(mean).div_(std)   # what the stages held before: a float32 split
+    images, labels = tensors(prepared, "val", limit=500)
+    assert images.nbytes == pixels.numel() == whole.nbytes // 4   # 1 byte a pixel held, not 4
+    assert torch.equal(images[:], whole)                          # bit-identical, not just close
+    assert torch.equal(images[17], whole[17]) and images[17].shape == (1, 32, 32)
+    assert torch.equal(images[100:164], whole[100:164])
+    order = torch.randperm(500, generator=torch.Generator().manual_seed(0))[:64]
+    assert torch.equal(images[order], whole[order])
+    batch = next(iter(batches(images, labels, 32, shuffle=True, seed=3)))[0]
+    assert torch.equal(batch, next(iter(batches(whole, labels, 32, shuffle=True, seed=3)))[0])
+    with pytest.raises(ValueError, match="uint8"):
+        data.Images(whole, prepared.mean, prepared.std)
+
+
+def test_tensor_digest_of_images_follows_pixels_and_normalisation(prepared):
+    images, y = tensors(prepared, "val", limit=64)
+    digest = tensor_digest(images, y)
+    assert tensor_digest(*tensors(prepared, "val", limit=64)) == digest
+    changed = images.pixels.clone()
+    changed[5, 0, 3, 3] ^= 1
+    assert tensor_digest(data.Images(changed, prepared.mean, prepared.std), y) != digest
+    assert tensor_digest(data.Images(images.pixels, [m + 1e-6 for m in prepared.mean], prepared.std), y) != digest
 
 
 def test_batches_cover_every_index_once_and_are_deterministic():

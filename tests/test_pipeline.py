@@ -178,6 +178,44 @@ def test_stage_graph_is_read_from_dvc_yaml():
         stages_for("trian_bp", graph)
 
 
+# Code that never changes what a stage writes: atomic file writes, MLflow logging, the stage runner.
+PLUMBING = {"edgeflux/artifacts.py", "edgeflux/tracking.py", "stages/common.py"}
+
+
+def _imported_files(script: Path) -> set[str]:
+    """The repository files (edgeflux/*, stages/*) a stage script imports directly."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(script.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+    files = set()
+    for name in names:
+        path = name.replace(".", "/")
+        for candidate in (f"{path}.py", f"{path}/__init__.py"):
+            if name.split(".")[0] in ("edgeflux", "stages") and (REPO / candidate).is_file():
+                files.add(candidate)
+    return files
+
+
+def test_every_stage_depends_on_the_code_it_runs():
+    """dvc repro reruns a stage only when a dep changed: code a stage imports but does not list
+    would leave its outputs stale after a change (as edgeflux/data.py's tensors() once was)."""
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    for name, stage in stages.items():
+        deps = [d if isinstance(d, str) else next(iter(d)) for d in stage.get("deps", [])]
+        module = stage["cmd"].split()[-1]
+        needed = _imported_files(REPO / (module.replace(".", "/") + ".py")) - PLUMBING
+        if stage.get("params"):   # params are read, checked and defaulted by edgeflux/config.py
+            needed.add("edgeflux/config.py")
+        missing = {f for f in needed if not f.endswith("__init__.py")   # a package: its modules are named
+                   and not any(f == d or f.startswith(d.rstrip("/") + "/") for d in deps)}
+        assert not missing, f"stage {name}: dvc.yaml deps lack {sorted(missing)}"
+
+
 @pytest.fixture
 def prefect_server():
     """A temporary Prefect server for the test, stopped before pytest closes its output."""

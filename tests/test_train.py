@@ -98,7 +98,7 @@ def test_checkpoint_of_other_data_or_activation_storage_is_not_resumed(mnist_sub
         y = y.clone()
         y[0] = (y[0] + 1) % 10
     elif change == "order":
-        x, y = x.flip(0), y.flip(0)
+        x, y = x[:].flip(0), y.flip(0)
     else:
         context = BitTrainParams(enabled=True).context
     assert resumed_from((x, y), context) == 0
