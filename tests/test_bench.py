@@ -86,3 +86,17 @@ def test_neuroflux_quick_compares_three_methods_at_equal_budgets(tmp_path):
     assert combined["rows"] == rows and combined["targets"] == result["targets"]
     assert combined["settings"] == result["settings"] and combined["settings"]["quick"] is True
     assert combined["combined_from"] == [{"command": result["command"], "machine": result["machine"]}]
+
+
+def test_prefetch_quick_times_every_reader_on_the_same_batches(tmp_path):
+    cmd = [sys.executable, "bench/prefetch.py", "--quick", "--out", str(tmp_path)]
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True, timeout=600)
+    result = json.loads((tmp_path / "prefetch.json").read_text())
+    rows = result["rows"]
+    assert {r["variant"] for r in rows} == {"no prefetch", "prefetch, decode there", "prefetch, fetch only"}
+    assert len({r["case"] for r in rows}) == 3   # the dataset, a float16 cache, a bitmap cache
+    for r in rows:
+        assert r["same_batches"] and r["ms_per_step"] > 0
+        assert r["ratio_to_no_prefetch"] == r["ms_per_step"] / min(
+            q["ms_per_step"] for q in rows if q["case"] == r["case"] and q["variant"] == "no prefetch")
+    assert "| vs no prefetch |" in (tmp_path / "prefetch.md").read_text()

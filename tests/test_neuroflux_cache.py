@@ -291,3 +291,21 @@ def test_empty_cache(tmp_path):
     assert (cache.num_samples, cache.num_shards, cache.nbytes) == (0, 0, 0)
     assert list(Batches(cache, 4)) == [] and len(Batches(cache, 4)) == 0
     assert cache.labels().shape == (0,)
+
+
+@pytest.mark.parametrize("storage", ["dense", "float16", "bittrain", "in memory"])
+def test_the_prefetch_thread_only_fetches_and_the_training_thread_decodes(tmp_path, acts, storage):
+    """Torch ops on a second thread slow the training step (bench/prefetch.py), so the prefetch
+    thread reads and checks bytes only; deserialising and converting happen on the caller's thread."""
+    x, y = acts
+    source = TensorSource(x, y, shard_samples=SHARD) if storage == "in memory" else \
+        write(tmp_path / "c", x, y, storage=storage)
+    threads = {"fetch": set(), "decode": set()}
+    fetch, decode = source.fetch_shard, source.decode_shard
+    source.fetch_shard = lambda i: threads["fetch"].add(threading.current_thread().name) or fetch(i)
+    source.decode_shard = lambda i, f: threads["decode"].add(threading.current_thread().name) or decode(i, f)
+    got = torch.cat([yb for _, yb in Batches(source, BATCH, shuffle=True, seed=1, prefetch=2)])
+    assert sorted(got.tolist()) == sorted(y.tolist())
+    assert threads["decode"] == {threading.current_thread().name}
+    assert len(threads["fetch"]) == 1 and threads["fetch"] != threads["decode"]
+    assert threads["fetch"].pop().startswith("edgeflux-prefetch")

@@ -38,10 +38,16 @@ Dataset with per-sample ``__getitem__`` would load or hold a whole shard per ind
 whole cache); an IterableDataset with ``batch_size=None`` would do the work below anyway.
 (2) Exact resume needs the order to be a pure function of (seed, epoch) on one torch.Generator,
 without the global RNG; (3) overlapping reads with compute only needs one thread, since
-torch.load, sha256 (hashlib releases the GIL on large buffers) and decompression all release
-the GIL; DataLoader's ``num_workers>0`` forks worker processes, each a copy of the
+file reads and sha256 (hashlib releases the GIL on large buffers) release the GIL;
+DataLoader's ``num_workers>0`` forks worker processes, each a copy of the
 interpreter and torch (heavy on a Raspberry Pi with 1-4 GiB), and ``num_workers=0`` does not
 prefetch at all. So Batches is a small thread plus a bounded queue.
+
+The thread only fetches (``fetch_shard``: file bytes, size and sha256); decoding
+(``decode_shard``: torch.load, float16 to float32, bitmap decompression, normalising uint8
+images) runs on the training thread. Torch ops on a second thread slowed every training
+step on a 2-core CPU by more than the decoding costs on the training thread: measured in
+``bench/prefetch.py`` (``bench/results/prefetch.md``).
 
 Shuffling permutes the shard order and the samples within each shard, not the whole cache:
 memory stays at a few shards. Batches are then as random as the stored order, which is random
@@ -368,11 +374,19 @@ class ActivationCache:
 
     def read_shard(self, i: int) -> tuple[Tensor, Tensor]:
         """Shard i as (x in the compute dtype, y int64), after checking its size and sha256."""
+        return self.decode_shard(i, self.fetch_shard(i))
+
+    def fetch_shard(self, i: int) -> bytes:
+        """Shard i's file, size and sha256 checked: file I/O and hashing only (no torch op)."""
         if not 0 <= i < self.num_shards:
             raise IndexError(f"shard {i} out of range: {self.directory} has {self.num_shards} shards")
+        return self._read_verified(i)
+
+    def decode_shard(self, i: int, data: bytes) -> tuple[Tensor, Tensor]:
+        """What fetch_shard(i) returned, as (x in the compute dtype, y int64)."""
         shard = self._shards[i]
         path = self.directory / shard["file"]
-        payload = torch.load(io.BytesIO(self._read_verified(i)), map_location="cpu", weights_only=True)
+        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         if self.storage == "bittrain":
             x = BitmapTensor(bitmap=payload["bitmap"], values=payload["values"], shape=torch.Size(payload["shape"]),
                              stride=tuple(payload["stride"]), dtype=self.dtype).decompress()
@@ -429,8 +443,16 @@ class TensorSource:
         return min(self.shard_samples, len(self.x) - i * self.shard_samples)
 
     def read_shard(self, i: int) -> tuple[Tensor, Tensor]:
+        return self.decode_shard(i, self.fetch_shard(i))
+
+    def fetch_shard(self, i: int) -> int:
+        """Nothing to read: the data is in memory."""
         if not 0 <= i < self.num_shards:
             raise IndexError(f"shard {i} out of range: {self.num_shards} shards")
+        return i
+
+    def decode_shard(self, i: int, _fetched: int) -> tuple[Tensor, Tensor]:
+        """Shard i: views of plain tensors; edgeflux.data.Images normalise their uint8 pixels here."""
         start = i * self.shard_samples
         return self.x[start:start + self.shard_samples], self.y[start:start + self.shard_samples]
 
@@ -471,8 +493,8 @@ class Batches:
         n = self.source.num_samples
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
-    def _shards(self, stop: threading.Event | None = None) -> Iterator[tuple[Tensor, Tensor, Tensor | None]]:
-        """(x, y, order within the shard or None) per shard, in epoch order.
+    def _shards(self, stop: threading.Event | None = None) -> Iterator[tuple[int, Any, Tensor | None]]:
+        """(shard index, what fetch_shard returned, order within the shard or None) per shard, in epoch order.
 
         The order is applied batch by batch (a gather of one batch), not to the whole shard: a
         shuffled copy of the shard would double what the reader holds.
@@ -483,10 +505,10 @@ class Batches:
         for i in order:
             if stop is not None and stop.is_set():
                 return
-            x, y = self.source.read_shard(i)
-            yield x, y, torch.randperm(len(y), generator=gen) if gen is not None else None
+            fetched = self.source.fetch_shard(i)
+            yield i, fetched, torch.randperm(self.source.shard_count(i), generator=gen) if gen is not None else None
 
-    def _prefetched(self) -> Iterator[tuple[Tensor, Tensor, Tensor | None]]:
+    def _prefetched(self) -> Iterator[tuple[int, Any, Tensor | None]]:
         q: queue.Queue = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
 
@@ -534,7 +556,10 @@ class Batches:
         have = 0
         shards = self._prefetched() if self.prefetch > 0 else self._shards()
         try:
-            for x, y, perm in shards:
+            for i, fetched, perm in shards:
+                # Deserialising, converting and normalising run here, on the training thread: torch
+                # ops on the prefetch thread slowed every training step (see the module docstring).
+                x, y = self.source.decode_shard(i, fetched)
                 pos, n = 0, len(y)
                 while pos < n:
                     take = min(bs - have, n - pos)
