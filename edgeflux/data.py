@@ -657,7 +657,10 @@ def load_prepared(out_dir: Path) -> PreparedData:
         if not path.is_file():
             raise PreparedDataError(f"{path} not found: the prepare stage makes it; {_PREPARE_FIX}")
     try:
-        payload = torch.load(data_path, map_location="cpu", weights_only=True)
+        # mmap: the images stay file-backed page cache, which the kernel can drop under memory
+        # pressure and share between stages, rather than anonymous memory that only swap can free;
+        # a stage copies out the rows of its splits (tensors()) and does not touch the rest.
+        payload = torch.load(data_path, map_location="cpu", weights_only=True, mmap=True)
         manifest = json.loads(manifest_path.read_text())
     except Exception as e:  # torch.load/json raise many types for a damaged file; all mean the same
         reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

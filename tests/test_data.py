@@ -392,6 +392,29 @@ def test_manifest_records_sources_config_and_counts(prepared):
     assert m["counts"]["train"]["per_class"] == [5400] * 10
 
 
+def _anon_rss_bytes() -> int:
+    """This process's anonymous resident memory (RssAnon): what only swap could free."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's /proc/self/status")
+def test_load_prepared_maps_images_from_the_file(tmp_path, prepared):
+    # A stage copies out its splits and never touches the rest: the 70,000 images must stay
+    # file-backed (reclaimable page cache), not become anonymous memory as a plain read does.
+    save_prepared(prepared, tmp_path)
+    anon_before = _anon_rss_bytes()
+    q = load_prepared(tmp_path)
+    assert q.images.sum().item() == prepared.images.sum().item()   # every page read, and equal
+    anon_added = _anon_rss_bytes() - anon_before
+    assert q.images.nbytes > 70e6
+    assert anon_added < 0.1 * q.images.nbytes, f"{anon_added / 2**20:.1f} MiB anonymous after load"
+    x, _ = tensors(q, "test")
+    assert torch.equal(x.pixels, prepared.images[prepared.splits["test"]])
+
+
 def test_load_prepared_missing_or_corrupt(tmp_path):
     with pytest.raises(PreparedDataError, match="dvc repro prepare"):
         load_prepared(tmp_path)
