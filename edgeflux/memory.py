@@ -523,12 +523,15 @@ def _label_after_step(tracker: LiveTensorTracker, params: list[Tensor],
 
 def measure_step(step: Callable[[], Any], *, model: nn.Module | None = None, optimizer=None,
                  inputs: Sequence[Tensor] = (), units: Sequence[tuple[str, nn.Module]] | None = None,
-                 device: str | torch.device = "cpu") -> StepMemory:
+                 device: str | torch.device = "cpu", process_stats: bool = True) -> StepMemory:
     """Run `step()` once and measure its memory.
 
     model/optimizer/inputs: the tensors that exist before the step, counted in the peak from
     the start and reported per category. units: (name, module) pairs for saved_by_unit;
-    defaults to zip(model.unit_names, model.units) when the model has them.
+    defaults to zip(model.unit_names, model.units) when the model has them. process_stats=False
+    leaves out the process cross-check (rss_peak_bytes, uss_bytes: None): reading USS parses
+    /proc/self/smaps_rollup, ~7 ms, and the RSS sampler is a thread polling beside the step,
+    which a caller that keeps only peak_bytes (the NeuroFlux profiler) need not pay for.
     """
     device = torch.device(device)
     if device.type not in ("cpu", "cuda"):
@@ -538,7 +541,8 @@ def measure_step(step: Callable[[], Any], *, model: nn.Module | None = None, opt
     params = _parameters(model, optimizer)
     buffers = list(model.buffers()) if model is not None else []
 
-    with _collector_paused(full=device.type == "cuda"), _RssSampler() as rss, \
+    with _collector_paused(full=device.type == "cuda"), \
+            (_RssSampler() if process_stats else nullcontext()) as rss, \
             count_saved_tensors(units, params + buffers) as saved:
         if device.type == "cuda":
             peak, at_peak = _cuda_peak(step, device), None
@@ -561,7 +565,8 @@ def measure_step(step: Callable[[], Any], *, model: nn.Module | None = None, opt
         param_bytes=known["param"], grad_bytes=known["grad"], optimizer_bytes=known["optimizer"],
         activation_bytes=int(peak) - sum(known.values()),
         saved_bytes=saved.total_bytes, saved_by_unit=dict(saved.by_unit),
-        rss_peak_bytes=rss.peak, uss_bytes=_uss_bytes(), buffer_bytes=known["buffer"],
+        rss_peak_bytes=rss.peak if process_stats else None, uss_bytes=_uss_bytes() if process_stats else None,
+        buffer_bytes=known["buffer"],
     )
 
 
@@ -630,7 +635,7 @@ def training_step_fn(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tens
 def measure_training_peak(model: nn.Module, optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
                           sample_shape: Sequence[int], num_classes: int, batch: int,
                           device: str | torch.device = "cpu", data: tuple[Tensor, Tensor] | None = None,
-                          context: StepContext | None = None) -> StepMemory:
+                          context: StepContext | None = None, process_stats: bool = True) -> StepMemory:
     """Measure one steady-state training step of a copy of `model` at batch size `batch`.
 
     A deep copy and a fresh optimizer take one warm-up step first, so that optimizer state
@@ -638,7 +643,7 @@ def measure_training_peak(model: nn.Module, optimizer_factory: Callable[[Iterabl
     Inputs: the first `batch` samples of `data` when given (real images: activation sparsity,
     which compressed storage depends on, is that of the data), else random inputs of shape
     [batch, *sample_shape] and random labels. `context` wraps forward and backward as in
-    training (see training_step_fn). `model` is untouched.
+    training (see training_step_fn). `model` is untouched. process_stats: see measure_step.
     """
     device = torch.device(device)
     net = copy.deepcopy(model).to(device).train()
@@ -658,7 +663,8 @@ def measure_training_peak(model: nn.Module, optimizer_factory: Callable[[Iterabl
     x, y = batch_tensors()
     units = list(zip(net.unit_names, net.units)) if hasattr(net, "units") and hasattr(net, "unit_names") else None
     step = training_step_fn(net, optimizer, x, y, context=context)
-    memory = measure_step(step, model=net, optimizer=optimizer, inputs=(x, y), units=units, device=device)
+    memory = measure_step(step, model=net, optimizer=optimizer, inputs=(x, y), units=units, device=device,
+                          process_stats=process_stats)
     if hasattr(step.context, "summary"):
         summary = step.context.summary()
         memory.set_stored(summary, {name: unit["stored_bytes"] for name, unit in summary["units"].items()})

@@ -1,6 +1,7 @@
 """edgeflux.memory: exact byte counts against formulas and against PyTorch's own MemTracker."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edgeflux import memory
 from edgeflux.memory import (
     OUTSIDE_UNITS,
     BudgetTooSmallError,
@@ -285,6 +287,21 @@ def test_process_rss_and_uss_are_reported():
     mem = measure_training_peak(small_cnn(), sgd_momentum, (1, 16, 16), 10, batch=2)
     for value in (mem.rss_peak_bytes, mem.uss_bytes):
         assert isinstance(value, int) and value > 0
+
+
+def test_process_stats_off_reads_no_process_memory(monkeypatch):
+    with_stats = measure_training_peak(small_cnn(), sgd_momentum, (1, 16, 16), 10, batch=2)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("process memory read with process_stats=False")
+
+    monkeypatch.setattr(memory, "_uss_bytes", forbidden)
+    monkeypatch.setattr(memory, "_RssSampler", forbidden)
+    without = measure_training_peak(small_cnn(), sgd_momentum, (1, 16, 16), 10, batch=2, process_stats=False)
+    assert without.rss_peak_bytes is None and without.uss_bytes is None
+    # the measurement itself is the same
+    assert dataclasses.replace(without, rss_peak_bytes=with_stats.rss_peak_bytes,
+                               uss_bytes=with_stats.uss_bytes) == with_stats
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

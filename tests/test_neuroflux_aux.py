@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from edgeflux import memory
 from edgeflux.memory import measure_training_peak
 from edgeflux.models import build_model, count_params
 from edgeflux.neuroflux.aux import AuxNet, aux_filters, exit_params, local_learners
@@ -158,6 +159,19 @@ def test_profile_narrow_vgg(tmp_path):
     save_profile(path, profiles, {"model": "vgg11"})
     loaded, meta = load_profile(path)
     assert loaded == profiles and meta["model"] == "vgg11" and "profiling_seconds" in meta
+
+
+def test_profile_keeps_process_memory_out_of_its_time(monkeypatch):
+    # The profiler keeps only each measurement's peak: reading USS and sampling RSS beside every
+    # step was a fifth of its time, which counts as NeuroFlux's overhead.
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the profiler read process memory")
+
+    monkeypatch.setattr(memory, "_uss_bytes", forbidden)
+    monkeypatch.setattr(memory, "_RssSampler", forbidden)
+    model = build_model("vgg11", 10, 1, width=0.125, image_size=32, seed=0)
+    profiles = profile_units(local_learners(model, seed=0)[:2], model.describe()[:2], 10, sgd, batches=(8, 16))
+    assert len(profiles) == 2 and all(p.peak_bytes[1] > p.peak_bytes[0] > 0 for p in profiles)
 
 
 def test_fit_unit_and_poor_fit():
