@@ -163,7 +163,7 @@ def test_profile_narrow_vgg(tmp_path):
 
 def test_profile_keeps_process_memory_out_of_its_time(monkeypatch):
     # The profiler keeps only each measurement's peak: reading USS and sampling RSS beside every
-    # step was a fifth of its time, which counts as NeuroFlux's overhead.
+    # step was a third of its time, which counts as NeuroFlux's overhead.
     def forbidden(*args, **kwargs):
         raise AssertionError("the profiler read process memory")
 

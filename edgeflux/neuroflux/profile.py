@@ -113,7 +113,7 @@ def profile_units(learners: Sequence[LocalLearner], infos: Sequence[UnitInfo], n
             peaks = []
             for batch in batches:
                 progress.update(task, status=f"{info.name} batch {batch}")
-                # only the peak is kept: the process cross-check (USS, RSS sampler) was a fifth of the
+                # only the peak is kept: the process cross-check (USS, RSS sampler) was a third of the
                 # profiling time, which is NeuroFlux's overhead (the paper: < 1.5% of training)
                 mem = measure_training_peak(learner, optimizer_factory, info.in_shape, num_classes, batch,
                                             device=device, data=data if info.index == 0 else None, context=context,
