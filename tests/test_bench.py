@@ -100,3 +100,31 @@ def test_prefetch_quick_times_every_reader_on_the_same_batches(tmp_path):
         assert r["ratio_to_no_prefetch"] == r["ms_per_step"] / min(
             q["ms_per_step"] for q in rows if q["case"] == r["case"] and q["variant"] == "no prefetch")
     assert "| vs no prefetch |" in (tmp_path / "prefetch.md").read_text()
+
+
+def test_batch_throughput_quick_gives_backprop_a_ceiling(tmp_path):
+    # A backprop row at batch 6 of the model the quick run times: its ceiling is read at batch 4,
+    # the largest timed batch not above it, and equals the best throughput over the throughput there.
+    nf = {"rows": [{"model": "vgg11-w0.125", "method": "backprop", "feasible": True, "budget_bytes": 1000,
+                    "batch_sizes": [6]},
+                   {"model": "vgg11-w0.125", "method": "NeuroFlux", "feasible": True, "budget_bytes": 1000,
+                    "batch_sizes": [16]}],
+          "speedups": [{"model": "vgg11-w0.125", "budget_bytes": 1000, "speedup_vs_backprop": 1.5}]}
+    (tmp_path / "nf.json").write_text(json.dumps(nf))
+    cmd = [sys.executable, "bench/batch_throughput.py", "--quick", "--threads", "1", "--out", str(tmp_path),
+           "--neuroflux-json", str(tmp_path / "nf.json")]
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True, timeout=600)
+    result = json.loads((tmp_path / "batch_throughput.json").read_text())
+    rows = {r["batch"]: r for r in result["rows"]}
+    assert sorted(rows) == [1, 4, 16] and result["settings"]["threads"] == 1
+    for b, r in rows.items():
+        assert abs(r["samples_per_s"] - b / (r["step_ms"] / 1e3)) < 1e-6 * r["samples_per_s"]
+        assert r["step_ms"] <= r["step_ms_median"]
+    best = max(r["samples_per_s"] for r in rows.values())
+    assert max(r["share_of_best"] for r in rows.values()) == 1.0
+    [ceiling] = result["ceilings"]
+    assert ceiling["backprop_batch"] == 6 and ceiling["measured_at_batch"] == 4
+    assert abs(ceiling["ceiling_speedup"] - best / rows[4]["samples_per_s"]) < 1e-9
+    assert ceiling["neuroflux_speedup_vs_backprop"] == 1.5
+    assert "x1.50" in (tmp_path / "batch_throughput.md").read_text()
+    assert (tmp_path / "batch_throughput.png").stat().st_size > 10_000
