@@ -8,8 +8,8 @@ NeuroFlux benchmark's models (1x32x32 inputs, 10 classes), at batch sizes from 1
 
 Each batch size is timed for about --samples images per measurement; measurements are
 interleaved over --rounds rounds (drifts hit every batch size alike) and the fastest round is
-kept. The second table reads the backprop batch sizes of bench/results/neuroflux.json (when it
-exists) and gives, for each, the most any batch size could speed backprop up on this machine
+kept. The backprop batch sizes of bench/results/neuroflux.json (when it exists) are timed too, and
+a second table gives, for each, the most any batch size could speed backprop up on this machine
 (best measured throughput / throughput at backprop's batch): a ceiling on the part of the
 paper's speed-up that comes from batch size.
 
@@ -48,7 +48,8 @@ def parse_args(argv=None):
                         help="zoo models (default: vgg16 vgg19 resnet18; --quick: vgg11)")
     parser.add_argument("--width", type=float, default=None, help="width multiplier (default: 0.25; --quick: 0.125)")
     parser.add_argument("--batches", nargs="+", type=int, default=None, metavar="B",
-                        help="batch sizes (default: 1 2 4 ... 256; --quick: 1 4 16)")
+                        help="batch sizes (default: 1 2 4 ... 256; --quick: 1 4 16), plus the backprop batches of "
+                             "--neuroflux-json")
     parser.add_argument("--samples", type=int, default=None,
                         help="images per measurement: steps = max(3, samples // batch) (default: 512; --quick: 32)")
     parser.add_argument("--rounds", type=int, default=None,
@@ -82,19 +83,33 @@ def time_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torc
     return (time.perf_counter() - start) / steps
 
 
-def measure(args) -> list[dict]:
+def backprop_runs(neuroflux_json: Path) -> list[dict]:
+    """The feasible backprop rows of a NeuroFlux benchmark result ([] when there is no such file)."""
+    if not neuroflux_json.exists():
+        return []
+    result = json.loads(neuroflux_json.read_text())
+    speedups = {(s["model"], s["budget_bytes"]): s.get("speedup_vs_backprop") for s in result["speedups"]}
+    return [{**r, "neuroflux_speedup_vs_backprop": speedups.get((r["model"], r["budget_bytes"]))}
+            for r in result["rows"] if r["method"] == "backprop" and r["feasible"]]
+
+
+def measure(args, runs: list[dict]) -> list[dict]:
+    """Rows per model and batch size: args.batches plus the batch of every backprop run of that model."""
+    plan = {name: sorted({*args.batches,
+                          *(r["batch_sizes"][0] for r in runs if r["model"] == f"{name}-w{args.width:g}")})
+            for name in args.models}
     rows = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns) as progress:
-        task = progress.add_task("timing", total=len(args.models) * args.rounds * len(args.batches))
-        for name in args.models:
+        task = progress.add_task("timing", total=args.rounds * sum(map(len, plan.values())))
+        for name, batches in plan.items():
             torch.manual_seed(0)
             model = build_model(name, num_classes=NUM_CLASSES, in_channels=SAMPLE_SHAPE[0], width=args.width,
                                 image_size=SAMPLE_SHAPE[1]).train()
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
-            seconds = {b: [] for b in args.batches}
+            seconds = {b: [] for b in batches}
             for r in range(args.rounds):
-                for batch in args.batches:
+                for batch in batches:
                     progress.update(task, description=f"{name} round {r + 1}/{args.rounds} batch {batch}")
                     x = torch.randn(batch, *SAMPLE_SHAPE)
                     y = torch.randint(0, NUM_CLASSES, (batch,))
@@ -108,27 +123,16 @@ def measure(args) -> list[dict]:
     return rows
 
 
-def ceilings(rows: list[dict], neuroflux_json: Path) -> list[dict]:
+def ceilings(rows: list[dict], runs: list[dict]) -> list[dict]:
     """For each backprop run of the NeuroFlux benchmark: the most a larger batch could speed it up here."""
-    if not neuroflux_json.exists():
-        return []
-    result, out = json.loads(neuroflux_json.read_text()), []
-    speedups = {(s["model"], s["budget_bytes"]): s.get("speedup_vs_backprop") for s in result["speedups"]}
-    for r in result["rows"]:
-        if r["method"] != "backprop" or not r["feasible"]:
+    out = []
+    for r in runs:
+        at = next((m for m in rows if m["model"] == r["model"] and m["batch"] == r["batch_sizes"][0]), None)
+        if at is None:   # a model this run did not time
             continue
-        mine = {m["batch"]: m for m in rows if m["model"] == r["model"]}
-        batch = r["batch_sizes"][0]
-        below = [b for b in mine if b <= batch]
-        if not below:
-            continue
-        # throughput rises with batch size, so the nearest measured batch at or below backprop's gives
-        # a ceiling that is, if anything, a little high
-        at = mine[max(below)]
-        out.append({"model": r["model"], "budget_bytes": r["budget_bytes"], "backprop_batch": batch,
-                    "measured_at_batch": at["batch"], "samples_per_s": at["samples_per_s"],
-                    "ceiling_speedup": 1 / at["share_of_best"],
-                    "neuroflux_speedup_vs_backprop": speedups.get((r["model"], r["budget_bytes"]))})
+        out.append({"model": r["model"], "budget_bytes": r["budget_bytes"], "backprop_batch": at["batch"],
+                    "samples_per_s": at["samples_per_s"], "ceiling_speedup": 1 / at["share_of_best"],
+                    "neuroflux_speedup_vs_backprop": r["neuroflux_speedup_vs_backprop"]})
     return out
 
 
@@ -139,7 +143,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.plot([r["batch"] for r in rs], [r["samples_per_s"] for r in rs], "o-", label=model)
     ax.set(xscale="log", xlabel="batch size", ylabel="training samples / s (fastest round)",
            title="training throughput vs batch size on this machine")
-    ax.set_xticks([r["batch"] for r in rows if r["model"] == rows[0]["model"]])
+    ax.set_xticks(sorted({r["batch"] for r in rows}))
     ax.get_xaxis().set_major_formatter(plt.ScalarFormatter())
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
@@ -153,19 +157,20 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = measure(args)
+    runs = backprop_runs(args.neuroflux_json)
+    rows = measure(args, runs)
     result = BenchResult()
     for r in rows:
         result.add(**r)
-    limits = ceilings(rows, args.neuroflux_json)
+    limits = ceilings(rows, runs)
     if limits:
         result.add_section(f"The most batch size could speed up the backprop runs of {args.neuroflux_json.name} here", [
             {**c, "ceiling_speedup": f"x{c['ceiling_speedup']:.2f}",
              "neuroflux_speedup_vs_backprop": f"x{c['neuroflux_speedup_vs_backprop']:.2f}"
              if c["neuroflux_speedup_vs_backprop"] else "n/a"} for c in limits],
             {"model": "model", "budget_bytes": "budget bytes", "backprop_batch": "backprop batch",
-             "measured_at_batch": "timed at batch", "samples_per_s": "samples/s there",
-             "ceiling_speedup": "best samples/s / samples/s there",
+             "samples_per_s": "its samples/s",
+             "ceiling_speedup": "best samples/s / its samples/s",
              "neuroflux_speedup_vs_backprop": "NeuroFlux speed-up to target (that file)"})
     md_rows = [{**r, "step_ms": f"{r['step_ms']:.2f}", "step_ms_median": f"{r['step_ms_median']:.2f}",
                 "samples_per_s": f"{r['samples_per_s']:.0f}", "share_of_best": f"{100 * r['share_of_best']:.0f}%"}

@@ -19,7 +19,9 @@ Each method records test accuracy against training time. Reported per method and
 budget: measured peak (max over blocks), batch sizes, time to the target test accuracy, final test
 accuracy, test accuracy at a fixed time (the fastest method's total time for that model and
 budget), and the parameters of the output model. NeuroFlux's time includes profiling, measuring
-and writing caches.
+and writing caches. Every NeuroFlux exit's validation and test accuracy is kept too: a table gives
+the exit chosen and the largest with >= 10x fewer parameters than the full model, and
+neuroflux_exits.png plots accuracy and parameters per exit (the paper's Figure 10).
 
     python bench/neuroflux.py                  # full run, results in bench/results/
     python bench/neuroflux.py --quick --out /tmp/bench
@@ -138,7 +140,11 @@ def run_local(spec, splits, opts, budget, args, classic: bool) -> dict:
         k = max(u for b in run.blocks for u in b.units)
     else:
         k = select_exit(run.unit_val_acc, params, tolerance=0.005)
-    return {"method": method, "feasible": True, "peak_bytes": run.peak_bytes,
+    names = [u.name for u in model.describe()]
+    exits = [{"unit": i, "name": names[i], "params": params[i], "val_acc": run.unit_val_acc[i],
+              "test_acc": run.unit_test_acc[i]} for b in run.blocks for i in b.units]
+    return {"method": method, "feasible": True, "exits": exits, "full_params": params[-1],
+            "peak_bytes": run.peak_bytes,
             "batch_sizes": [b.batch_size for b in run.blocks], "train_time_s": profile_s + run.train_time_s,
             "profile_s": profile_s, "history": run.history, "test_acc": run.unit_test_acc[k],
             "full_test_acc": run.unit_test_acc[-1], "exit": k, "params": params[k], "offset": profile_s,
@@ -172,6 +178,63 @@ def plot(rows: list[dict], path: Path, target: float) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_exits(rows: list[dict], path: Path) -> None:
+    """Validation accuracy and parameters of every NeuroFlux exit (the paper's Figure 10), one panel per model."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in rows if r["method"] == "NeuroFlux" and r.get("exits")]
+    models = list(dict.fromkeys(r["model"] for r in runs))
+    if not models:
+        return
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        twin = ax.twinx()
+        for r in (r for r in runs if r["model"] == model):
+            ax.plot([e["unit"] for e in r["exits"]], [e["val_acc"] for e in r["exits"]], marker=".",
+                    label=f"{format_bytes(r['budget_bytes'])} ({r['budget_frac_of_bp_min']:g}x BP min)")
+            chosen = next(e for e in r["exits"] if e["unit"] == r["exit"])
+            ax.plot([chosen["unit"]], [chosen["val_acc"]], "k*", markersize=10)
+        last = next(r for r in runs if r["model"] == model)["exits"]
+        twin.bar([e["unit"] for e in last], [e["params"] for e in last], color="grey", alpha=0.2)
+        twin.set(ylabel="parameters up to the exit (bars)", yscale="log")
+        ax.set(title=f"{model}: accuracy per exit (* chosen)", xlabel="exit after unit",
+               ylabel="validation accuracy", xticks=[e["unit"] for e in last])
+        ax.set_xticklabels([e["name"] for e in last], rotation=60, fontsize=7)
+        ax.set_zorder(twin.get_zorder() + 1)
+        ax.patch.set_visible(False)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def compact_exits(rows: list[dict]) -> list[dict]:
+    """Per NeuroFlux run: the exit the issue's rule chose, and the largest exit with >= 10x fewer parameters
+    than the full model, both against backprop's test accuracy (for reference: the rule selects on validation
+    accuracy, within 0.5 pt of the best exit, never on test accuracy)."""
+    by = {(r["model"], r["budget_bytes"], r["method"]): r for r in rows}
+    out = []
+    for r in rows:
+        if r["method"] != "NeuroFlux" or not r.get("exits"):
+            continue
+        full, bp = r["full_params"], by.get((r["model"], r["budget_bytes"], "backprop"))
+        ten = ([e for e in r["exits"] if full / e["params"] >= 10] or [None])[-1]
+        chosen = next(e for e in r["exits"] if e["unit"] == r["exit"])
+        out.append({"model": r["model"], "budget_bytes": r["budget_bytes"],
+                    "backprop_test_acc": bp["test_acc"] if bp and bp["feasible"] else None,
+                    "chosen_exit": chosen["name"], "chosen_reduction": full / chosen["params"],
+                    "chosen_val_acc": chosen["val_acc"], "chosen_test_acc": chosen["test_acc"],
+                    "best_val_acc": max(e["val_acc"] for e in r["exits"]),
+                    "exit_10x": ten["name"] if ten else None,
+                    "exit_10x_reduction": full / ten["params"] if ten else None,
+                    "exit_10x_val_acc": ten["val_acc"] if ten else None,
+                    "exit_10x_test_acc": ten["test_acc"] if ten else None})
+    return out
 
 
 def targets(rows: list[dict], speedups: list[dict]) -> list[dict]:
@@ -224,6 +287,16 @@ def write(rows: list[dict], speedups: list[dict], args, notes: str, settings: di
                 "peak": format_bytes(r["peak_bytes"]) if r.get("peak_bytes") else "infeasible"} for r in rows]
     result.add_section(f"Speed-ups to {args.target_acc:.0%} test accuracy (time ratio, same budget, same process)",
                        speedups)
+    exits = compact_exits(rows)
+    if exits:
+        result.add_section("NeuroFlux exits: the one chosen (fewest parameters within 0.5 pt of the best validation "
+                           "accuracy) and the largest with >= 10x fewer parameters than the full model", exits,
+                           {"model": "model", "budget_bytes": "budget bytes", "backprop_test_acc": "backprop test acc",
+                            "chosen_exit": "chosen exit", "chosen_reduction": "x fewer params",
+                            "chosen_val_acc": "val acc", "chosen_test_acc": "test acc",
+                            "best_val_acc": "best exit's val acc", "exit_10x": "largest >= 10x exit",
+                            "exit_10x_reduction": "x fewer params", "exit_10x_val_acc": "val acc",
+                            "exit_10x_test_acc": "test acc"})
     verdict = {True: "met", False: "MISSED", None: "n/a"}
     goals = targets(rows, speedups)
     result.add_section("Targets (the issue's, from the paper's headline results)",
@@ -234,10 +307,11 @@ def write(rows: list[dict], speedups: list[dict], args, notes: str, settings: di
                "fixed_time_s": "fixed time s", "params": "params (output model)", "within_budget": "peak <= budget"}
     result.write("neuroflux", args.out, title="NeuroFlux vs backprop vs classic local learning at equal budgets",
                  columns=columns, md_rows=md_rows, notes=notes,
-                 extra={"speedups": speedups, "targets": goals, "combined_from": combined_from,
+                 extra={"speedups": speedups, "targets": goals, "compact_exits": exits, "combined_from": combined_from,
                         "settings": settings or {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}})
     plot(rows, args.out / "neuroflux.png", args.target_acc)
-    print(f"wrote {args.out / 'neuroflux.json'}, .md and .png")
+    plot_exits(rows, args.out / "neuroflux_exits.png")
+    print(f"wrote {args.out / 'neuroflux.json'}, .md, .png and neuroflux_exits.png")
 
 
 def main(argv=None) -> None:
@@ -288,7 +362,9 @@ def main(argv=None) -> None:
                                test_acc=r["test_acc"], test_acc_at_fixed_time=acc_at(r["history"], fixed_time, r["offset"]),
                                fixed_time_s=fixed_time, train_time_s=r["train_time_s"], params=r["params"],
                                within_budget=r.get("within_budget", r["peak_bytes"] <= budget),
-                               **{k: r[k] for k in ("exit", "full_test_acc", "profile_s", "complete") if k in r})
+                               **{k: r[k] for k in ("exit", "exits", "full_params", "full_test_acc", "profile_s",
+                                                     "complete")
+                                  if k in r})
                 else:
                     row.update(peak_bytes=None, time_to_target_s=None, test_acc=None, params=None,
                                min_feasible_bytes=r["min_feasible_bytes"])

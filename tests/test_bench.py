@@ -72,8 +72,24 @@ def test_neuroflux_quick_compares_three_methods_at_equal_budgets(tmp_path):
             assert r["peak_bytes"] <= r["budget_bytes"] and r["within_budget"]
     high = max(r["budget_bytes"] for r in rows)
     assert by[("NeuroFlux", high)]["params"] <= by[("backprop", high)]["params"]   # an early exit, never bigger
-    # one line per method and budget in the main table, one per budget in the speed-up table
-    assert (tmp_path / "neuroflux.md").read_text().count("| vgg11-w0.125 |") == len(rows) + len(result["speedups"])
+    # every exit's accuracy is kept: the chosen one is the rule's (fewest parameters within 0.5 pt of the best
+    # validation accuracy), the last is the whole network, and the exits table and plot are written
+    for budget in (low, high):
+        nf = by[("NeuroFlux", budget)]
+        exits = nf["exits"]
+        assert [e["unit"] for e in exits] == list(range(len(exits))) and exits[-1]["params"] == nf["full_params"]
+        best = max(e["val_acc"] for e in exits)
+        assert nf["exit"] == min((e for e in exits if e["val_acc"] >= best - 0.005), key=lambda e: e["params"])["unit"]
+        assert nf["test_acc"] == exits[nf["exit"]]["test_acc"] and nf["params"] == exits[nf["exit"]]["params"]
+    assert nf["full_params"] == by[("backprop", high)]["params"]
+    [compact] = [c for c in result["compact_exits"] if c["budget_bytes"] == high]
+    ten = [e for e in exits if nf["full_params"] / e["params"] >= 10][-1]
+    assert compact["exit_10x"] == ten["name"] and compact["exit_10x_test_acc"] == ten["test_acc"]
+    assert compact["backprop_test_acc"] == by[("backprop", high)]["test_acc"]
+    assert (tmp_path / "neuroflux_exits.png").stat().st_size > 10_000
+    # one line per method and budget in the main table, one per budget in the speed-up and exits tables
+    assert (tmp_path / "neuroflux.md").read_text().count("| vgg11-w0.125 |") == \
+        len(rows) + len(result["speedups"]) + len(result["compact_exits"])
     assert (tmp_path / "neuroflux.png").stat().st_size > 10_000
     # the targets table judges the run's own figures; --combine re-renders a run without losing what made it
     goals = {t["target"]: t["met"] for t in result["targets"]}
@@ -103,8 +119,8 @@ def test_prefetch_quick_times_every_reader_on_the_same_batches(tmp_path):
 
 
 def test_batch_throughput_quick_gives_backprop_a_ceiling(tmp_path):
-    # A backprop row at batch 6 of the model the quick run times: its ceiling is read at batch 4,
-    # the largest timed batch not above it, and equals the best throughput over the throughput there.
+    # A backprop row at batch 6 of the model the quick run times: batch 6 is timed too, and its ceiling
+    # is the best throughput over the throughput at batch 6.
     nf = {"rows": [{"model": "vgg11-w0.125", "method": "backprop", "feasible": True, "budget_bytes": 1000,
                     "batch_sizes": [6]},
                    {"model": "vgg11-w0.125", "method": "NeuroFlux", "feasible": True, "budget_bytes": 1000,
@@ -116,15 +132,15 @@ def test_batch_throughput_quick_gives_backprop_a_ceiling(tmp_path):
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True, timeout=600)
     result = json.loads((tmp_path / "batch_throughput.json").read_text())
     rows = {r["batch"]: r for r in result["rows"]}
-    assert sorted(rows) == [1, 4, 16] and result["settings"]["threads"] == 1
+    assert sorted(rows) == [1, 4, 6, 16] and result["settings"]["threads"] == 1
     for b, r in rows.items():
         assert abs(r["samples_per_s"] - b / (r["step_ms"] / 1e3)) < 1e-6 * r["samples_per_s"]
         assert r["step_ms"] <= r["step_ms_median"]
     best = max(r["samples_per_s"] for r in rows.values())
     assert max(r["share_of_best"] for r in rows.values()) == 1.0
     [ceiling] = result["ceilings"]
-    assert ceiling["backprop_batch"] == 6 and ceiling["measured_at_batch"] == 4
-    assert abs(ceiling["ceiling_speedup"] - best / rows[4]["samples_per_s"]) < 1e-9
+    assert ceiling["backprop_batch"] == 6
+    assert abs(ceiling["ceiling_speedup"] - best / rows[6]["samples_per_s"]) < 1e-9
     assert ceiling["neuroflux_speedup_vs_backprop"] == 1.5
     assert "x1.50" in (tmp_path / "batch_throughput.md").read_text()
     assert (tmp_path / "batch_throughput.png").stat().st_size > 10_000
