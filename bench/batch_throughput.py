@@ -11,7 +11,8 @@ interleaved over --rounds rounds (drifts hit every batch size alike) and the fas
 kept. The backprop batch sizes of bench/results/neuroflux.json (when it exists) are timed too, and
 a second table gives, for each, the most any batch size could speed backprop up on this machine
 (best measured throughput / throughput at backprop's batch): a ceiling on the part of the
-paper's speed-up that comes from batch size.
+paper's speed-up that comes from batch size. It is read from the whole network's curve; a
+NeuroFlux block (a slice of the network with its auxiliary heads) has a curve of its own.
 
     python bench/batch_throughput.py --threads 1         # as bench/neuroflux.py's runs (one per core)
     python bench/batch_throughput.py --quick --out /tmp/bench
