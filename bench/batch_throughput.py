@@ -34,6 +34,7 @@ import torch  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 
 from bench.common import RESULTS_DIR, BenchResult, bench_argparser  # noqa: E402
+from edgeflux.memory import training_step_fn  # noqa: E402
 from edgeflux.models import build_model  # noqa: E402
 
 NAME = "batch_throughput"
@@ -72,11 +73,8 @@ def parse_args(argv=None):
 
 def time_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
                steps: int) -> float:
-    """Seconds per training step, averaged over `steps` after one warm-up step."""
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        optimizer.step()
+    """Seconds per training step (edgeflux.memory.training_step_fn), averaged over `steps` after a warm-up step."""
+    step = training_step_fn(model, optimizer, x, y)
     step()
     start = time.perf_counter()
     for _ in range(steps):
