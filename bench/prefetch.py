@@ -6,9 +6,9 @@ cache (float16 or bitmap shards on disk). Three ways to read, same batches in th
 
 - no prefetch: each shard is read, checked and decoded on the training thread when needed;
 - prefetch, decode there: a background thread reads, checks and decodes (torch.load, dtype
-  conversion, decompression, normalising) two shards ahead: edgeflux before stop 16;
+  conversion, decompression, normalising) two shards ahead;
 - prefetch, fetch only: the thread reads and checks bytes only; the training thread decodes
-  (edgeflux now).
+  (what edgeflux does: torch ops on a second thread slow every step on a 2-core CPU).
 
 Each case trains a model on the batches (SGD, one step per batch); the figure is ms per step,
 the fastest of the repetitions (interleaved, so drifts hit every variant alike), and its ratio

@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from edgeflux.config import MemoryOptions, TrainOptions
-from edgeflux.memory import (BatchFit, StepContext, StepMemory, format_bytes, largest_over_batches,
-                             max_batch_under_budget, measure_training_peak)
-from edgeflux.train import TrainResult, evaluate, fit, optimizer_factory
+from edgeflux.memory import BatchFit, StepMemory, measure_training_step
+from edgeflux.memory import choose_batch as choose_batch_under_budget
+from edgeflux.step import StepContext, TrainStep
+from edgeflux.train import MemoryOptions, TrainOptions, TrainResult, evaluate, fit, optimizer_factory
 
 log = logging.getLogger(__name__)
 
@@ -62,35 +62,19 @@ class BudgetedRun:
 def choose_batch(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor], num_classes: int, opts: TrainOptions,
                  memory: MemoryOptions, device: torch.device,
                  context: StepContext | None = None) -> tuple[int, BatchFit | None, StepMemory]:
-    """The largest batch (≤ memory.max_batch) whose measured training-step peak fits memory.budget.
+    """The largest batch (<= memory.max_batch) whose measured training-step peak fits memory.budget
+    (edgeflux.memory.choose_batch); without a budget, opts.batch_size, measured.
 
-    Steps are measured on real training samples, under the same activation context as training.
-    Where the context stores activations by their content (BitTrain: a bitmap's size is the batch's
-    non-zeros), the peak of a batch size is the largest over CONTENT_SAMPLES disjoint batches.
+    Steps are measured on real training samples, with the step fit trains with (TrainStep, the same context).
     """
-    make_opt = optimizer_factory(opts)
-    measured: dict[int, StepMemory] = {}
-    sample_shape = tuple(train[0].shape[1:])
-    max_batch = min(memory.max_batch, len(train[0]))
+    make_step = TrainStep.factory(optimizer_factory(opts), context=context)
 
-    def measure(batch: int, i: int) -> StepMemory:
-        data = train[0][i * batch:(i + 1) * batch], train[1][i * batch:(i + 1) * batch]
-        return measure_training_peak(model, make_opt, sample_shape, num_classes, batch, device=device, data=data,
-                                     context=context)
+    def measure(x: torch.Tensor, y: torch.Tensor) -> StepMemory:
+        return measure_training_step(model, make_step, (x.clone(), y.clone()), (x.clone(), y.clone()), device)
 
-    def peak(batch: int) -> int:
-        m = largest_over_batches(lambda i: measure(batch, i), available=len(train[0]) // batch)
-        measured[batch] = m
-        log.info("measured peak at batch %d: %s", batch, format_bytes(m.peak_bytes))
-        return m.peak_bytes
-
-    if memory.budget is None:
-        peak(opts.batch_size)
-        return opts.batch_size, None, measured[opts.batch_size]
-    fitted = max_batch_under_budget(peak, memory.budget, max_batch)
-    log.info("budget %s: batch %d fits (measured peak %s; batch 1 needs %s)", format_bytes(memory.budget),
-             fitted.batch_size, format_bytes(fitted.peak_bytes), format_bytes(fitted.min_feasible_bytes))
-    return fitted.batch_size, fitted, measured[fitted.batch_size]
+    choice = choose_batch_under_budget(measure, train, budget_bytes=memory.budget, max_batch=memory.max_batch,
+                                       preferred=opts.batch_size if memory.budget is None else None)
+    return choice.batch_size, choice.fit, choice.memory
 
 
 def train_under_budget(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor], val: tuple[torch.Tensor, torch.Tensor],

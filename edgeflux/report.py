@@ -1,13 +1,13 @@
 """The pipeline's summary: one table, an accuracy-vs-time plot and a memory plot from every stage's outputs.
 
-Reads what the stages wrote (metrics/*.json, plots/*.csv, memory/*.json); adds rows for stages that
-exist, so later techniques appear as soon as their stage has run. BarPanel / plot_bar_panels draw
+Works on what the stages wrote, handed over by the report stage, which owns the file paths: metrics as
+dicts keyed by stage, accuracy-vs-time curves as CSV paths or (times, accs). Adds rows for the stages
+that have run, so later techniques appear as soon as their stage has. BarPanel / plot_bar_panels draw
 grouped bars (memory per unit, peak per block) for the report stage and the benchmarks alike.
 """
 from __future__ import annotations
 
 import csv
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,32 +17,32 @@ from edgeflux.memory import OUTSIDE_UNITS, MiB, format_bytes
 
 COLUMNS = ["stage", "data", "model", "batch", "budget", "measured peak", "train s", "to target s", "test acc"]
 
+# An accuracy-vs-time curve: a CSV with time_s and val_acc columns (as the training stages write them;
+# a path that does not exist is no curve), or its (times, accs) already read.
+Curve = Path | tuple[list[float], list[float]]
 
-def summary_rows(metrics_dir: Path = Path("metrics"), plots_dir: Path = Path("plots"),
+
+def summary_rows(metrics: dict[str, dict], curves: dict[str, Curve] | None = None,
                  target_acc: float | None = None) -> list[dict]:
-    """One row per trained model; 'to target s' is the training time until validation accuracy
-    first reached target_acc (from the stage's accuracy-vs-time curve, where it has one)."""
+    """One row per trained model, from `metrics`: stage name ("pretrain", "train_bp", "train_blocks",
+    "select_exit") -> that stage's metrics JSON as a dict; a stage missing from it has not run and gets
+    no row. 'to target s' is the training time until validation accuracy first reached target_acc,
+    from curves[stage] where the stage has one."""
+    curves = curves or {}
     rows = []
-    pretrain = metrics_dir / "pretrain.json"
-    if pretrain.exists():
-        for key, m in json.loads(pretrain.read_text()).items():
+    if "pretrain" in metrics:
+        for key, m in metrics["pretrain"].items():
             rows.append(_row("pretrain", "source (cloud)", key, m, None))
-    train_bp = metrics_dir / "train_bp.json"
-    if train_bp.exists():
-        m = json.loads(train_bp.read_text())
-        curve = plots_dir / "train_bp.csv"
-        to_target = time_to_target(*read_curve(curve), target_acc) if curve.exists() and target_acc else None
-        rows.append(_row("train_bp", "target (device)", m["model"], m, to_target))
-    train_blocks = metrics_dir / "train_blocks.json"
-    if train_blocks.exists():
-        m = json.loads(train_blocks.read_text())
-        curve = plots_dir / "train_blocks.csv"
-        to_target = time_to_target(*read_curve(curve), target_acc) if curve.exists() and target_acc else None
+    if "train_bp" in metrics:
+        m = metrics["train_bp"]
+        rows.append(_row("train_bp", "target (device)", m["model"], m, _to_target(curves.get("train_bp"), target_acc)))
+    if "train_blocks" in metrics:
+        m = metrics["train_blocks"]
+        to_target = _to_target(curves.get("train_blocks"), target_acc)
         row = {**m, "batch_size": "/".join(map(str, m["batch_sizes"]))}
         rows.append(_row("train_blocks (NeuroFlux)", "target (device)", m["model"], row, to_target))
-    select_exit = metrics_dir / "select_exit.json"
-    if select_exit.exists():
-        m = json.loads(select_exit.read_text())
+    if "select_exit" in metrics:
+        m = metrics["select_exit"]
         rows.append({"stage": "select_exit (NeuroFlux)", "data": "target (device)",
                      "model": f"{m['model']} exit {m['exit_unit']} ({m['compression']:.1f}x fewer params)",
                      "batch": "-", "budget": "-", "measured peak": "-", "train s": "-", "to target s": "-",
@@ -52,6 +52,11 @@ def summary_rows(metrics_dir: Path = Path("metrics"), plots_dir: Path = Path("pl
 
 def time_to_target(times: list[float], accs: list[float], target: float) -> float | None:
     return next((t for t, a in zip(times, accs) if a >= target), None)
+
+
+def _to_target(curve: Curve | None, target_acc: float | None) -> float | None:
+    points = _points(curve) if target_acc else None
+    return time_to_target(*points, target_acc) if points is not None else None
 
 
 def _row(stage: str, data: str, model: str, m: dict, to_target: float | None) -> dict:
@@ -73,16 +78,22 @@ def read_curve(path: Path) -> tuple[list[float], list[float]]:
     return [float(r["time_s"]) for r in rows], [float(r["val_acc"]) for r in rows]
 
 
-def plot_accuracy_vs_time(curves: dict[str, Path], out: Path, target_acc: float | None = None) -> None:
+def _points(curve: Curve | None) -> tuple[list[float], list[float]] | None:
+    """(times, accs) of `curve`; None where there is none (not given, or its file not written)."""
+    if curve is None or isinstance(curve, tuple):
+        return curve
+    return read_curve(Path(curve)) if Path(curve).exists() else None
+
+
+def plot_accuracy_vs_time(curves: dict[str, Curve], out: Path, target_acc: float | None = None) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for label, path in curves.items():
-        if path.exists():
-            t, acc = read_curve(path)
-            ax.plot(t, acc, marker="o", label=label)
+    for label, curve in curves.items():
+        if (points := _points(curve)) is not None:
+            ax.plot(*points, marker="o", label=label)
     if target_acc is not None:
         ax.axhline(target_acc, color="grey", linestyle="--", linewidth=1, label=f"target {target_acc:.0%}")
     ax.set(xlabel="training time (s)", ylabel="validation accuracy", title="Accuracy vs training time")

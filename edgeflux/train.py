@@ -1,38 +1,96 @@
-"""The backprop training loop every stage shares: progress, history, resumable checkpoints.
+"""The one training loop every trainer calls: epochs, LR schedule, evaluation points, accuracy curve,
+checkpoints and exact resume, progress, and the hooks fine-tuning methods need.
 
-``fit`` trains a model on in-memory tensors with SGD/Adam and a per-step cosine schedule,
-evaluates on the validation split a few times per epoch, and records an accuracy-vs-time
-history where time counts training only (evaluation excluded), so curves of different methods
-compare fairly.
+    step = TrainStep.factory(optimizer_factory(opts), context=context)(model)    # edgeflux.step
+    result = train_loop(step, lambda epoch: batches(x, y, 64, shuffle=True, seed=epoch), epochs=3,
+                        steps_per_epoch=math.ceil(len(x) / 64), evals_per_epoch=2,
+                        evaluate=lambda: {"val_acc": evaluate(model, *val)}, seed=0)
 
-Resume: with ``checkpoint`` set, the full training state (model, optimizer, scheduler, RNG,
-history, elapsed time) is written atomically after every epoch. A rerun with the same
-checkpoint path and the same run signature continues from the next epoch, and because each
-epoch's shuffle is seeded by (seed, epoch) the result equals an uninterrupted run.
+The loop does not know what a step does: backprop's ``TrainStep``, NeuroFlux's block step (local
+losses) and the fine-tuning methods' steps are all called the same way, and the memory budget
+measures the same steps (``edgeflux.memory.measure_training_step``). It owns:
+
+* the schedule: a per-step cosine LR over ``epochs * steps_per_epoch`` steps;
+* evaluation points, ``evals_per_epoch`` per epoch, and an accuracy-vs-time history in which time
+  counts training only (evaluation excluded), so curves of different methods compare fairly;
+* modes: the model trains in ``train_mode`` (modules a method keeps in eval, e.g. frozen BatchNorm,
+  stay so) and evaluation restores every submodule's own mode;
+* resume: with ``checkpoint`` set, the full state (model, optimizer, scheduler, RNG, history, elapsed
+  time) is written atomically after every epoch; a rerun with the same signature continues from the
+  next epoch, and because each epoch's batches are a function of (seed, epoch) the result equals an
+  uninterrupted run;
+* hooks: ``before_step(result)`` runs before every step (a method that re-selects its trainable tensors
+  at run time does it here; the optimizer holds every tensor that may train, and skips those without a
+  gradient), ``on_epoch_end(epoch, result)`` after each epoch's checkpoint.
+
+``fit`` is backprop on in-memory tensors through this loop.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
-import torch.nn.functional as F
+from pydantic import Field
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from torch import nn
+from torch import Tensor, nn
 
-from edgeflux.artifacts import atomic_write
-from edgeflux.config import TrainOptions
+from edgeflux.bittrain import BitTrainOptions
+from edgeflux.checkpoint import (load_checkpoint, rng_state, run_signature, save_checkpoint, set_rng_state,
+                                 tensor_digest)
 from edgeflux.data import Images, batches
-from edgeflux.memory import StepContext, no_context
+from edgeflux.models.units import eval_mode, train_mode
+from edgeflux.options import Bytes, Options
+from edgeflux.step import Step, StepContext, TrainStep, no_context
 
 log = logging.getLogger(__name__)
+
+__all__ = ["LR_SCALINGS", "OPTIMIZERS", "MemoryOptions", "TrainOptions", "TrainResult", "evaluate", "fit",
+           "load_checkpoint", "make_optimizer", "optimizer_factory", "progress_bar", "resolve_device", "rng_state",
+           "run_signature", "save_checkpoint", "set_rng_state", "tensor_digest", "train_loop"]
+
+CHECKPOINT_FORMAT = 2   # in every checkpoint's signature: a file of another layout is never loaded
+
+OPTIMIZERS = {"sgd": lambda params, o: torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay),
+              "adam": lambda params, o: torch.optim.Adam(params, lr=o.lr, weight_decay=o.weight_decay)}
+LR_SCALINGS = {"constant": lambda ratio: 1.0, "linear": lambda ratio: ratio, "sqrt": lambda ratio: ratio ** 0.5}
+
+
+class TrainOptions(Options):
+    """Options every trainer shares, so that stages read the same names."""
+
+    epochs: int = Field(1, ge=1)
+    batch_size: int = Field(128, ge=1)
+    lr: float = Field(0.05, gt=0)
+    # lr is for a batch of lr_reference_batch; a trainer at another batch (NeuroFlux's blocks each have their
+    # own) scales it (linear: Goyal et al.'s rule; sqrt: milder; constant: as is)
+    lr_scaling: Literal[tuple(LR_SCALINGS)] = "constant"
+    lr_reference_batch: int = Field(32, ge=1)
+    optimizer: Literal[tuple(OPTIMIZERS)] = "sgd"
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(5e-4, ge=0)
+    max_train_samples: int | None = Field(None, ge=1)
+    evals_per_epoch: int = Field(2, ge=1)
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    def lr_for(self, batch: int) -> float:
+        """The learning rate of a run at `batch` (lr_scaling from lr_reference_batch)."""
+        return self.lr * LR_SCALINGS[self.lr_scaling](batch / self.lr_reference_batch)
+
+
+class MemoryOptions(Options):
+    """The memory options every budgeted trainer takes (composable across techniques)."""
+
+    budget: Bytes | None = None
+    max_batch: int = Field(256, ge=1)
+    bittrain: BitTrainOptions = BitTrainOptions()
+
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -44,9 +102,7 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 
 def make_optimizer(params, opts: TrainOptions) -> torch.optim.Optimizer:
-    if opts.optimizer == "adam":
-        return torch.optim.Adam(params, lr=opts.lr, weight_decay=opts.weight_decay)
-    return torch.optim.SGD(params, lr=opts.lr, momentum=opts.momentum, weight_decay=opts.weight_decay)
+    return OPTIMIZERS[opts.optimizer](params, opts)
 
 
 def optimizer_factory(opts: TrainOptions) -> Callable[..., torch.optim.Optimizer]:
@@ -54,26 +110,24 @@ def optimizer_factory(opts: TrainOptions) -> Callable[..., torch.optim.Optimizer
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 512,
+def evaluate(model: nn.Module, x: Tensor | Images, y: Tensor, batch_size: int = 512,
              device: torch.device | str = "cpu") -> float:
-    """Top-1 accuracy in [0, 1]; restores the model's train/eval mode.
+    """Top-1 accuracy in [0, 1], in eval mode; every submodule's own mode is restored after.
 
     Budgeted trainers pass their training batch size: inference at the same batch needs less
     memory than a training step (nothing is saved for backward), so evaluation stays in budget.
     """
-    was_training = model.training
-    model.eval()
     correct = 0
-    for i in range(0, len(x), batch_size):
-        logits = model(x[i:i + batch_size].to(device))
-        correct += (logits.argmax(1).cpu() == y[i:i + batch_size]).sum().item()
-    model.train(was_training)
+    with eval_mode(model):
+        for i in range(0, len(x), batch_size):
+            logits = model(x[i:i + batch_size].to(device))
+            correct += (logits.argmax(1).cpu() == y[i:i + batch_size]).sum().item()
     return correct / max(1, len(x))
 
 
 @dataclass
 class TrainResult:
-    history: list[dict] = field(default_factory=list)   # rows: step, epoch, time_s, train_loss, val_acc
+    history: list[dict] = field(default_factory=list)   # rows: step, epoch, time_s, train_loss, val_acc, ...
     train_time_s: float = 0.0
     steps: int = 0
     epochs_done: int = 0
@@ -84,159 +138,142 @@ class TrainResult:
         return max((r["val_acc"] for r in self.history), default=0.0)
 
 
-def run_signature(**parts) -> str:
-    """A short hash of what defines a run; a checkpoint of a different run is never resumed."""
-    blob = json.dumps(parts, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def tensor_digest(*tensors: torch.Tensor | Images) -> str:
-    """sha256 over the tensors' dtypes, shapes and bytes: any changed value, label or sample order shows.
-
-    (Hashes the memory in place, ~1 GB/s; a contiguous CPU tensor is not copied. Images are
-    hashed as what defines their values: the uint8 pixels and the normalisation.)
-    """
-    h = hashlib.sha256()
-    flat = [part for t in tensors for part in ((t.pixels, t.mean, t.std) if isinstance(t, Images) else (t,))]
-    for t in flat:
-        t = t.detach().cpu().contiguous()
-        h.update(f"{t.dtype}{list(t.shape)};".encode())
-        if t.numel():
-            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
-    return h.hexdigest()
-
-
-def rng_state() -> dict:
-    """The global RNG states a resumed run must continue from: CPU, and every CUDA device's when CUDA
-    is in use (dropout on a GPU draws from the CUDA generator)."""
-    return {"cpu": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None}
-
-
-def set_rng_state(state: dict | torch.Tensor) -> None:
-    """Restore what rng_state() returned (a bare tensor: a checkpoint that kept the CPU state only)."""
-    if isinstance(state, torch.Tensor):
-        torch.set_rng_state(state)
-        return
-    torch.set_rng_state(state["cpu"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _describe(context: Callable) -> Any:
-    """A stable description of a step context for run signatures (its options, not its address)."""
-    owner = getattr(context, "__self__", None)
-    return owner.model_dump() if hasattr(owner, "model_dump") else getattr(context, "__qualname__", repr(context))
-
-
-def save_checkpoint(path: Path, state: dict) -> None:
-    atomic_write(path, lambda tmp: torch.save(state, tmp))  # a kill mid-write leaves the previous checkpoint
-
-
-def load_checkpoint(path: Path, signature: str) -> dict | None:
-    if not path.exists():
-        return None
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # a truncated or foreign file: start over rather than crash
-        log.warning("ignoring unreadable checkpoint %s (%s); training from scratch", path, exc)
-        return None
-    if state.get("signature") != signature:
-        log.info("checkpoint %s belongs to another configuration; training from scratch", path)
-        return None
-    return state
-
-
 def progress_bar() -> Progress:
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TimeRemainingColumn())
 
 
-def fit(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor], val: tuple[torch.Tensor, torch.Tensor],
-        opts: TrainOptions, batch_size: int, *, device: torch.device | str = "cpu",
-        checkpoint: Path | None = None, signature: str = "", desc: str = "train",
-        on_epoch_end: Callable[[int, TrainResult], None] | None = None,
-        context: StepContext | None = None, test: tuple[torch.Tensor, torch.Tensor] | None = None) -> TrainResult:
-    """Train ``model`` in place for ``opts.epochs`` epochs at ``batch_size``.
+@dataclass
+class _Loop:
+    """What one run of train_loop holds: the step, its schedule and where the curve's clock starts."""
+    step: Step
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    eval_points: set[int]
+    steps_per_epoch: int
+    evaluate: Callable[[], dict]
+    device: torch.device
+    offset: tuple[int, float]       # (steps, seconds) already on the curve before this run (NeuroFlux's earlier blocks)
+    before_step: Callable[[TrainResult], None] | None
+    desc: str
 
-    ``context(model)`` is entered around each forward and backward (how activations are saved,
-    e.g. BitTrain); the batch-size measurement uses the same one.
 
-    ``on_epoch_end(epoch, result)`` runs after each epoch's checkpoint is written (tests use it to
-    interrupt a run). Deletes the checkpoint when training completes. ``test``: also record test
-    accuracy at every evaluation (benchmarks' time-to-target curves; never used to choose anything).
+def train_loop(step: Step, batches: Callable[[int], Iterable[tuple[Tensor, Tensor]]], *, epochs: int,
+               steps_per_epoch: int, evals_per_epoch: int, evaluate: Callable[[], dict], seed: int,
+               device: torch.device | str = "cpu", checkpoint: Path | None = None, signature: str = "",
+               desc: str = "train", before_step: Callable[[TrainResult], None] | None = None,
+               on_epoch_end: Callable[[int, TrainResult], None] | None = None, keep_checkpoint: bool = False,
+               offset: tuple[int, float] = (0, 0.0)) -> TrainResult:
+    """Train ``step.model`` for ``epochs`` epochs of ``batches(epoch)`` (see the module docstring).
+
+    evaluate(): the row fields at an evaluation point (at least ``val_acc``), in eval mode.
+    signature: what defines the run; a checkpoint of another signature is never resumed.
+    keep_checkpoint: leave the checkpoint after the last epoch (a caller with work after training keeps
+    it until that work is saved, so that a kill in between does not retrain); else it is deleted.
+    offset: (steps, seconds) the history's step and time_s start from.
     """
-    device = torch.device(device)
-    context = context or no_context
-    model.to(device).train()
-    x_train, y_train = train
-    steps_per_epoch = math.ceil(len(x_train) / batch_size)
-    total_steps = steps_per_epoch * opts.epochs
-    eval_points = {round(steps_per_epoch * k / opts.evals_per_epoch) for k in range(1, opts.evals_per_epoch + 1)}
-
-    optimizer = make_optimizer(model.parameters(), opts)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
-    result = TrainResult()
-    start_epoch = 0
-    # What the run is: options, batch, how activations are saved, and the data (a checkpoint of a run
-    # on a split prepared differently since is not resumed). Not the starting weights: a fresh process
-    # builds them anew; a caller fine-tuning loaded weights adds their identity to `signature`.
-    signature = signature or run_signature(opts=opts.model_dump(), batch_size=batch_size, context=_describe(context),
-                                           data=tensor_digest(x_train, y_train, *val))
-    if checkpoint is not None and (state := load_checkpoint(checkpoint, signature)):
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
-        result = TrainResult(**state["result"])
-        start_epoch = result.resumed_from_epoch = result.epochs_done
-        log.info("%s: resuming from checkpoint %s after epoch %d/%d", desc, checkpoint, start_epoch, opts.epochs)
-    else:
-        torch.manual_seed(opts.seed)
-
+    total = steps_per_epoch * epochs
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(step.optimizer, T_max=total)
+    loop = _Loop(step, scheduler, {round(steps_per_epoch * k / evals_per_epoch) for k in range(1, evals_per_epoch + 1)},
+                 steps_per_epoch, evaluate, torch.device(device), offset, before_step, desc)
+    signature = run_signature(run=signature, checkpoint_format=CHECKPOINT_FORMAT)
+    result = _resume(loop, checkpoint, signature, epochs)
+    if result is None:
+        result = TrainResult()
+        torch.manual_seed(seed)
+    train_mode(step.model)
     with progress_bar() as progress:
-        task = progress.add_task(desc, total=total_steps, completed=start_epoch * steps_per_epoch, status="")
-        for epoch in range(start_epoch, opts.epochs):
-            loss_sum, loss_n = 0.0, 0
-            tick = time.perf_counter()
-            loader = batches(x_train, y_train, batch_size, shuffle=True, seed=opts.seed * 1000 + epoch)
-            for i, (xb, yb) in enumerate(loader, start=1):
-                xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
-                optimizer.zero_grad(set_to_none=True)
-                with context(model):
-                    loss = F.cross_entropy(model(xb), yb)
-                    loss.backward()
-                optimizer.step()
-                scheduler.step()
-                result.steps += 1
-                loss_sum += loss.item() * len(xb)
-                loss_n += len(xb)
-                if i in eval_points:
-                    result.train_time_s += time.perf_counter() - tick
-                    val_acc = evaluate(model, *val, batch_size=batch_size, device=device)
-                    model.train()
-                    row = {"step": result.steps, "epoch": epoch + i / steps_per_epoch, "time_s": result.train_time_s,
-                           "train_loss": loss_sum / loss_n, "val_acc": val_acc}
-                    if test is not None:
-                        row["test_acc"] = evaluate(model, *test, batch_size=batch_size, device=device)
-                        model.train()
-                    result.history.append(row)
-                    log.info("%s: epoch %.2f step %d loss %.4f val_acc %.4f (%.1fs training)", desc,
-                             row["epoch"], row["step"], row["train_loss"], val_acc, result.train_time_s)
-                    progress.update(task, status=f"loss {row['train_loss']:.3f} val {val_acc:.3f}")
-                    loss_sum, loss_n = 0.0, 0
-                    tick = time.perf_counter()
-                progress.advance(task)
-            result.train_time_s += time.perf_counter() - tick
+        task = progress.add_task(desc, total=total, completed=result.epochs_done * steps_per_epoch, status="")
+        for epoch in range(result.epochs_done, epochs):
+            _run_epoch(loop, batches(epoch), epoch, result, progress, task)
             result.epochs_done = epoch + 1
             if checkpoint is not None:
                 save_checkpoint(checkpoint, {
-                    "signature": signature, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(), "rng": rng_state(),
-                    "result": {k: v for k, v in vars(result).items()},
-                })
+                    "signature": signature, "model": step.model.state_dict(), "optimizer": step.optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "rng": rng_state(), "result": dict(vars(result))})
             if on_epoch_end is not None:
                 on_epoch_end(epoch, result)
-    if checkpoint is not None and checkpoint.exists():
+    if checkpoint is not None and not keep_checkpoint and checkpoint.exists():
         checkpoint.unlink()
     return result
+
+
+def _resume(loop: _Loop, checkpoint: Path | None, signature: str, epochs: int) -> TrainResult | None:
+    if checkpoint is None or (state := load_checkpoint(checkpoint, signature)) is None:
+        return None
+    loop.step.model.load_state_dict(state["model"])
+    loop.step.optimizer.load_state_dict(state["optimizer"])
+    loop.scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])
+    result = TrainResult(**state["result"])
+    result.resumed_from_epoch = result.epochs_done
+    log.info("%s: resuming from checkpoint %s after epoch %d/%d", loop.desc, checkpoint, result.epochs_done, epochs)
+    return result
+
+
+def _run_epoch(loop: _Loop, epoch_batches: Iterable[tuple[Tensor, Tensor]], epoch: int, result: TrainResult,
+               progress: Progress, task) -> None:
+    loss_sum, loss_n = 0.0, 0
+    tick = time.perf_counter()
+    for i, (xb, yb) in enumerate(epoch_batches, start=1):
+        if loop.before_step is not None:
+            loop.before_step(result)
+        loss = loop.step(xb.to(loop.device, non_blocking=True), yb.to(loop.device, non_blocking=True))
+        loop.scheduler.step()
+        result.steps += 1
+        loss_sum += loss * len(yb)
+        loss_n += len(yb)
+        if i in loop.eval_points:
+            result.train_time_s += time.perf_counter() - tick
+            row = {"step": loop.offset[0] + result.steps, "epoch": epoch + i / loop.steps_per_epoch,
+                   "time_s": loop.offset[1] + result.train_time_s, "train_loss": loss_sum / loss_n, **loop.evaluate()}
+            train_mode(loop.step.model)
+            result.history.append(row)
+            log.info("%s: epoch %.2f step %d loss %.4f val_acc %.4f (%.1fs training)", loop.desc, row["epoch"],
+                     row["step"], row["train_loss"], row["val_acc"], row["time_s"])
+            progress.update(task, status=f"loss {row['train_loss']:.3f} val {row['val_acc']:.3f}")
+            loss_sum, loss_n = 0.0, 0
+            tick = time.perf_counter()
+        progress.advance(task)
+    result.train_time_s += time.perf_counter() - tick
+
+
+def _describe(context: Callable) -> object:
+    """A stable description of a step context for run signatures (its options, not its address)."""
+    owner = getattr(context, "__self__", None)
+    return owner.model_dump() if hasattr(owner, "model_dump") else getattr(context, "__qualname__", repr(context))
+
+
+def fit(model: nn.Module, train: tuple[Tensor | Images, Tensor], val: tuple[Tensor | Images, Tensor],
+        opts: TrainOptions, batch_size: int, *, device: torch.device | str = "cpu",
+        checkpoint: Path | None = None, signature: str = "", desc: str = "train",
+        on_epoch_end: Callable[[int, TrainResult], None] | None = None,
+        context: StepContext | None = None, test: tuple[Tensor | Images, Tensor] | None = None) -> TrainResult:
+    """Backprop: train ``model`` in place for ``opts.epochs`` epochs at ``batch_size`` through train_loop.
+
+    ``context(model)`` is entered around each forward and backward (how activations are saved, e.g.
+    BitTrain); the batch-size measurement uses the same one. Each epoch's shuffle is seeded by
+    (opts.seed, epoch). ``test``: also record test accuracy at every evaluation (benchmarks'
+    time-to-target curves; never used to choose anything).
+    """
+    device = torch.device(device)
+    context = context or no_context
+    x_train, y_train = train
+    step = TrainStep.factory(optimizer_factory(opts.model_copy(update={"lr": opts.lr_for(batch_size)})),
+                             context=context)(model.to(device))
+    # What the run is: options, batch, how activations are saved, and the data (a checkpoint of a run on a
+    # split prepared differently since is not resumed). Not the starting weights: a fresh process builds
+    # them anew; a caller fine-tuning loaded weights adds their identity to `signature`.
+    signature = signature or run_signature(opts=opts.model_dump(), batch_size=batch_size, context=_describe(context),
+                                           data=tensor_digest(x_train, y_train, *val))
+
+    def evaluate_now() -> dict:
+        row = {"val_acc": evaluate(model, *val, batch_size=batch_size, device=device)}
+        if test is not None:
+            row["test_acc"] = evaluate(model, *test, batch_size=batch_size, device=device)
+        return row
+
+    return train_loop(step, lambda epoch: batches(x_train, y_train, batch_size, shuffle=True,
+                                                  seed=opts.seed * 1000 + epoch),
+                      epochs=opts.epochs, steps_per_epoch=math.ceil(len(x_train) / batch_size),
+                      evals_per_epoch=opts.evals_per_epoch, evaluate=evaluate_now, seed=opts.seed, device=device,
+                      checkpoint=checkpoint, signature=signature, desc=desc, on_epoch_end=on_epoch_end)

@@ -31,8 +31,7 @@ def main(args, params) -> None:
     summary = {}
     with stage_run("pretrain", p.model_dump()) as run:
         for spec in p.models:
-            build_args = dict(name=spec.name, num_classes=len(data.classes), in_channels=train[0].shape[1],
-                              width=spec.width, image_size=train[0].shape[-1], batch_norm=spec.batch_norm, seed=p.seed)
+            build_args = spec.build_args(len(data.classes), train[0].shape[1], train[0].shape[-1], p.seed)
             model = build_model(**build_args, pretrained_path=spec.pretrained_path)
             result = train_under_budget(model, train, val, test, len(data.classes), p, MemoryOptions(), device,
                                         checkpoint=CHECKPOINTS / f"{spec.key}.pt", desc=f"pretrain {spec.key}")

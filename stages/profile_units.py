@@ -12,7 +12,7 @@ from pathlib import Path
 
 from edgeflux.artifacts import write_json
 from edgeflux.data import load_prepared, tensors
-from edgeflux.neuroflux.model import aux_args, build_args, build_learners
+from edgeflux.neuroflux.model import aux_args, build_learners
 from edgeflux.neuroflux.plots import plot_profile
 from edgeflux.neuroflux.profile import profile_units, profiling_seconds, save_profile
 from edgeflux.tracking import stage_run
@@ -27,7 +27,7 @@ def main(args, params) -> None:
     data = load_prepared(Path("data/prepared"))
     device = resolve_device(p.device)
     train = tensors(data, "target_train", limit=p.max_train_samples)
-    spec = build_args(p, len(data.classes), train[0].shape[1], train[0].shape[-1])
+    spec = p.model.build_args(len(data.classes), train[0].shape[1], train[0].shape[-1], p.seed)
     with stage_run("profile", p.model_dump()) as run:
         model, learners = build_learners(spec, aux_args(p))
         profiles = profile_units(learners, model.describe(), len(data.classes), optimizer_factory(p),

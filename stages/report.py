@@ -15,8 +15,18 @@ from edgeflux.report import markdown_table, memory_panels, plot_accuracy_vs_time
 from stages.common import run_stage, stage_parser
 
 SUMMARY, PLOT, MEMORY_PLOT = Path("reports/summary.md"), Path("reports/accuracy_vs_time.png"), Path("reports/memory.png")
-MEMORY_SOURCES = {"train_bp_memory": Path("memory/train_bp.json"), "train_blocks": Path("metrics/train_blocks.json")}
-CURVES = {"backprop (train_bp)": Path("plots/train_bp.csv"), "NeuroFlux (train_blocks)": Path("plots/train_blocks.csv")}
+# What the report reads, each path once: the same files dvc.yaml lists as this stage's deps.
+METRICS = {"pretrain": Path("metrics/pretrain.json"), "train_bp": Path("metrics/train_bp.json"),
+           "train_blocks": Path("metrics/train_blocks.json"), "select_exit": Path("metrics/select_exit.json")}
+STAGE_CURVES = {"train_bp": Path("plots/train_bp.csv"), "train_blocks": Path("plots/train_blocks.csv")}
+TRAIN_BP_MEMORY = Path("memory/train_bp.json")
+MEMORY_SOURCES = {"train_bp_memory": TRAIN_BP_MEMORY, "train_blocks": METRICS["train_blocks"]}
+CURVES = {"backprop (train_bp)": STAGE_CURVES["train_bp"], "NeuroFlux (train_blocks)": STAGE_CURVES["train_blocks"]}
+
+
+def read_existing(paths: dict[str, Path]) -> dict[str, dict]:
+    """The JSON files of `paths` that exist (a stage not run yet wrote none), parsed, under the same keys."""
+    return {key: json.loads(path.read_text()) for key, path in paths.items() if path.exists()}
 
 
 def show() -> None:
@@ -34,7 +44,7 @@ def main(args, params) -> None:
     from edgeflux.tracking import stage_run
 
     with stage_run("report", params.report.model_dump()) as run:
-        rows = summary_rows(target_acc=params.report.target_acc)
+        rows = summary_rows(read_existing(METRICS), STAGE_CURVES, target_acc=params.report.target_acc)
         SUMMARY.parent.mkdir(parents=True, exist_ok=True)
         SUMMARY.write_text("# edgeflux pipeline summary\n\n" + markdown_table(rows)
                            + f"\n'to target s': training time until validation accuracy first reached "
@@ -42,8 +52,7 @@ def main(args, params) -> None:
                              "Peaks are measured (live tensor bytes of a steady-state training step on CPU; "
                              "the CUDA allocator's peak on GPU).\n")
         plot_accuracy_vs_time(CURVES, PLOT, target_acc=params.report.target_acc)
-        sources = {k: json.loads(path.read_text()) for k, path in MEMORY_SOURCES.items() if path.exists()}
-        if panels := memory_panels(**sources):
+        if panels := memory_panels(**read_existing(MEMORY_SOURCES)):
             plot_bar_panels(panels, MEMORY_PLOT, title="edgeflux pipeline: measured training memory")
         for path in (SUMMARY, PLOT, MEMORY_PLOT):
             if path.exists():

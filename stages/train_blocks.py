@@ -14,10 +14,10 @@ from pathlib import Path
 from edgeflux.artifacts import write_json
 from edgeflux.data import load_prepared, tensors
 from edgeflux.neuroflux.aux import exit_params
-from edgeflux.neuroflux.model import aux_args, build_args, build_learners, save_learners
+from edgeflux.neuroflux.model import aux_args, build_learners, save_learners
 from edgeflux.neuroflux.partition import load_blocks
 from edgeflux.neuroflux.profile import load_profile
-from edgeflux.neuroflux.worker import CacheOptions, train_blocks
+from edgeflux.neuroflux.worker import train_blocks
 from edgeflux.tracking import stage_run
 from edgeflux.train import resolve_device
 from stages.common import peak_rss_bytes, run_stage, stage_parser, write_history_csv
@@ -34,12 +34,12 @@ def main(args, params) -> None:
     splits = {"train": tensors(data, "target_train", limit=p.max_train_samples),
               "val": tensors(data, "target_val"), "test": tensors(data, "target_test")}
     x = splits["train"][0]
-    spec, aux = build_args(p, len(data.classes), x.shape[1], x.shape[-1]), aux_args(p)
+    spec, aux = p.model.build_args(len(data.classes), x.shape[1], x.shape[-1], p.seed), aux_args(p)
     blocks, _ = load_blocks(BLOCKS)
     with stage_run("train_blocks", p.model_dump()) as run:
         model, learners = build_learners(spec, aux)
         result = train_blocks(learners, blocks, splits, p, workdir=CACHE, budget_bytes=p.budget, device=device,
-                              cache=CacheOptions(**p.cache.model_dump()), context=p.bittrain.context,
+                              cache=p.cache, context=p.bittrain.context,
                               signature={"spec": spec, "aux": aux, "bittrain": p.bittrain.to_dict()}, checkpoint_dir=CHECKPOINTS,
                               desc="neuroflux", split_rho=p.rho)
         profile_s = load_profile(PROFILE)[1]["profiling_seconds"]

@@ -27,8 +27,7 @@ def main(args, params) -> None:
     data = load_prepared(Path("data/prepared"))
     device = resolve_device(p.device)
     train = tensors(data, "target_train", limit=p.max_train_samples)
-    build_args = dict(name=p.model.name, num_classes=len(data.classes), in_channels=train[0].shape[1],
-                      width=p.model.width, image_size=train[0].shape[-1], batch_norm=p.model.batch_norm, seed=p.seed)
+    build_args = p.model.build_args(len(data.classes), train[0].shape[1], train[0].shape[-1], p.seed)
     with stage_run("train_bp", p.model_dump()) as run:
         model = build_model(**build_args, pretrained_path=p.model.pretrained_path)
         result = train_under_budget(model, train, tensors(data, "target_val"), tensors(data, "target_test"),

@@ -18,8 +18,8 @@ from edgeflux.bittrain import (BitmapTensor, BitTrainOptions, CompressedActivati
                                SavedTensorModifiedError, compress, compressed_activations, theoretical_bytes)
 from edgeflux.bittrain.doublemask import DoubleMaskError
 from edgeflux.bittrain import hooks, kernel
-from edgeflux.bittrain.bitmap import MAX_CHUNK, _chunk, _pack, count_kept
-from edgeflux.bittrain.hooks import _Kept, _Narrowed, _Packed
+from edgeflux.bittrain.bitmap import MAX_CHUNK, _chunk, count_kept, pack_bits
+from edgeflux.bittrain.packed import Kept, Narrowed, Packed
 from edgeflux.memory import OUTSIDE_UNITS, measure_step, track_live_tensors, training_step_fn
 from edgeflux.models import build_model
 
@@ -201,7 +201,7 @@ def test_kernel_activation_mask_matches_torch(dtype):
             padded = torch.zeros(math.ceil(n / 8) * 8, dtype=torch.bool)
             padded[:n] = inside
             bitmap, nonzero = kernel.range_mask(x, lo, hi)
-            assert torch.equal(bitmap, _pack(padded)), (n, lo, hi)
+            assert torch.equal(bitmap, pack_bits(padded)), (n, lo, hi)
             assert nonzero == int(torch.count_nonzero(x.view(torch.int16 if x.element_size() == 2 else
                                                              torch.int32 if x.element_size() == 4 else torch.int64)))
             out = torch.empty(n, dtype=dtype)
@@ -483,7 +483,7 @@ def test_max_pool_indices_are_narrowed_exactly(side, dtype, bitmap_path):
     _, idx = F.max_pool2d(torch.relu(twin[0](x)), 2, return_indices=True)
     with compressed_activations(min_bytes=0) as ca:
         holder = ca._pack(idx)
-    assert isinstance(holder, _Narrowed) and holder.data.dtype == dtype
+    assert isinstance(holder, Narrowed) and holder.data.dtype == dtype
     back = holder.unpack()
     assert back.dtype == torch.int64 and back.stride() == idx.stride() and torch.equal(back, idx)
     big = torch.full((1024,), 1 << 40)                              # values beyond int32: kept as they are
@@ -714,7 +714,7 @@ def test_options_context_and_step_context(fmnist):
 
 def test_holders_keep_what_they_should():
     t = torch.relu(torch.randn(64, 64))
-    kept, packed = _Kept(t), _Packed(compress(t), t)
+    kept, packed = Kept(t), Packed(compress(t), t)
     assert kept.tensor.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
     assert isinstance(packed.data, BitmapTensor) and not packed.restored
     restored = packed.unpack()

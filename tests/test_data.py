@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import edgeflux.data.load as data_load  # the loaders read DEBIAN_FASHION_MNIST from here
 from edgeflux import data
 from edgeflux.data import (
     DatasetFormatError,
@@ -102,7 +103,7 @@ def test_torchvision_root_layout_is_found(tmp_path, fmnist, monkeypatch):
     raw_dir.mkdir(parents=True)
     for stem in IDX_STEMS:
         (raw_dir / f"{stem}.gz").symlink_to(data.DEBIAN_FASHION_MNIST / f"{stem}.gz")
-    monkeypatch.setattr(data, "DEBIAN_FASHION_MNIST", tmp_path / "no-debian")
+    monkeypatch.setattr(data_load, "DEBIAN_FASHION_MNIST", tmp_path / "no-debian")
     raw = load_raw("fashion-mnist", root=tmp_path)
     assert raw.sources[0] == str(raw_dir / "train-images-idx3-ubyte.gz")
     assert torch.equal(raw.test_images, fmnist.test_images)
@@ -123,7 +124,7 @@ def test_truncated_idx_file_is_rejected(tmp_path, decompressed):
 
 
 def test_missing_fashion_mnist_names_places_and_fixes(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "DEBIAN_FASHION_MNIST", tmp_path / "debian")
+    monkeypatch.setattr(data_load, "DEBIAN_FASHION_MNIST", tmp_path / "debian")
     monkeypatch.setenv("EDGEFLUX_DATA_DIR", str(tmp_path / "cache"))
     (tmp_path / "debian").mkdir()
     (tmp_path / "cache").mkdir()
@@ -141,7 +142,7 @@ def test_missing_fashion_mnist_names_places_and_fixes(tmp_path, monkeypatch):
 def test_a_data_root_without_the_dataset_is_an_error_not_a_fall_back(tmp_path, monkeypatch, decompressed):
     """data.root names where the data is: when it is not there, another copy (here the Debian package's)
     is not used in its place."""
-    monkeypatch.setattr(data, "DEBIAN_FASHION_MNIST", decompressed)
+    monkeypatch.setattr(data_load, "DEBIAN_FASHION_MNIST", decompressed)
     assert load_raw("fashion-mnist").sources                  # the fall-back copy is there...
     with pytest.raises(DatasetNotFoundError) as err:
         load_raw("fashion-mnist", root=tmp_path / "given")   # ...but not taken for a wrong root

@@ -295,8 +295,8 @@ def test_process_stats_off_reads_no_process_memory(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("process memory read with process_stats=False")
 
-    monkeypatch.setattr(memory, "_uss_bytes", forbidden)
-    monkeypatch.setattr(memory, "_RssSampler", forbidden)
+    monkeypatch.setattr(memory.step, "uss_bytes", forbidden)
+    monkeypatch.setattr(memory.step, "RssSampler", forbidden)
     without = measure_training_peak(small_cnn(), sgd_momentum, (1, 16, 16), 10, batch=2, process_stats=False)
     assert without.rss_peak_bytes is None and without.uss_bytes is None
     # the measurement itself is the same

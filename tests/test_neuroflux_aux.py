@@ -167,8 +167,8 @@ def test_profile_keeps_process_memory_out_of_its_time(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("the profiler read process memory")
 
-    monkeypatch.setattr(memory, "_uss_bytes", forbidden)
-    monkeypatch.setattr(memory, "_RssSampler", forbidden)
+    monkeypatch.setattr(memory.step, "uss_bytes", forbidden)
+    monkeypatch.setattr(memory.step, "RssSampler", forbidden)
     model = build_model("vgg11", 10, 1, width=0.125, image_size=32, seed=0)
     profiles = profile_units(local_learners(model, seed=0)[:2], model.describe()[:2], 10, sgd, batches=(8, 16))
     assert len(profiles) == 2 and all(p.peak_bytes[1] > p.peak_bytes[0] > 0 for p in profiles)

@@ -21,7 +21,8 @@ from edgeflux.neuroflux.aux import exit_params
 from edgeflux.neuroflux.exit import ExitModel, select_exit
 from edgeflux.neuroflux.model import build_learners
 from edgeflux.neuroflux.partition import Block
-from edgeflux.neuroflux.worker import CacheOptions, _block_step, evaluate_exits, train_blocks
+from edgeflux.neuroflux.block import BlockStep, LocalBlock
+from edgeflux.neuroflux.worker import CacheOptions, train_blocks
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = dict(name="vgg11", num_classes=10, in_channels=1, width=0.125, image_size=32, batch_norm=True, seed=0)
@@ -60,8 +61,8 @@ def test_block_step_updates_each_unit_from_its_own_local_loss(mnist_subset):
         grads = torch.autograd.grad(F.cross_entropy(logits, y), list(learner.parameters()))
         expected.append([p.detach() - g for p, g in zip(learner.parameters(), grads)])
         inp = out.detach()
-    optimizer = torch.optim.SGD(torch.nn.ModuleList(block).parameters(), lr=1.0)
-    _block_step(block, optimizer, x, y, prefix=None, context=no_context)
+    step = BlockStep.factory(lambda params: torch.optim.SGD(params, lr=1.0), context=no_context)(LocalBlock(block))
+    step(x, y)
     for learner, want in zip(block, expected):
         for p, w in zip(learner.parameters(), want):
             torch.testing.assert_close(p.detach(), w, rtol=1e-5, atol=1e-6)
@@ -129,12 +130,12 @@ def test_budget_below_the_planned_batch_lowers_the_batch(mnist_subset, tmp_path)
 
 def test_cache_shards_are_sized_in_bytes(mnist_subset, tmp_path):
     """neuroflux.cache.shard_size bounds a shard's bytes (what a reader holds a few of), whatever the block's output."""
-    assert CacheOptions(shard_size=10_000).samples_per_shard((16, 8, 8)) == 2          # 4,096 bytes a sample
-    assert CacheOptions(shard_size=10_000).samples_per_shard((16, 64, 64)) == 1        # never empty
-    assert CacheOptions(shard_size=10_000, shard_samples=7).samples_per_shard((16, 8, 8)) == 7
+    assert CacheOptions(shard_size="10000B").samples_per_shard((16, 8, 8)) == 2          # 4,096 bytes a sample
+    assert CacheOptions(shard_size="10000B").samples_per_shard((16, 64, 64)) == 1        # never empty
+    assert CacheOptions(shard_size="10000B", shard_samples=7).samples_per_shard((16, 8, 8)) == 7
     _, learners = build_learners(SPEC, AUX)
     train_blocks(learners[:2], [Block(index=0, units=(0, 1), batch_size=16)], splits(mnist_subset, 64, 32),
-                 opts(epochs=1), workdir=tmp_path, cache=CacheOptions(shard_size=64 * 1024))
+                 opts(epochs=1), workdir=tmp_path, cache=CacheOptions(shard_size="64KiB"))
     cache = ActivationCache.open(tmp_path / "block0" / "train")
     sample_bytes = math.prod(cache.sample_shape) * 4
     assert cache.manifest["shard_samples"] == 64 * 1024 // sample_bytes

@@ -155,7 +155,7 @@ def test_missing_dataset_gives_install_command(project, tmp_path):
     params["data"].update(dataset="fashion-mnist", root=str(tmp_path / "nowhere"))
     (project / "missing.yaml").write_text(yaml.safe_dump(params))
     env_home = f"EDGEFLUX_DATA_DIR={tmp_path / 'empty'}"
-    out = sh(f"{env_home} python -c \"import edgeflux.data as d, pathlib, runpy, sys; "
+    out = sh(f"{env_home} python -c \"import edgeflux.data.load as d, pathlib, runpy, sys; "
              f"d.DEBIAN_FASHION_MNIST = pathlib.Path('{tmp_path / 'none'}'); "
              f"sys.argv = ['prepare', '--params', 'missing.yaml']; runpy.run_module('stages.prepare', run_name='__main__')\"",
              project, check=False)
@@ -201,18 +201,39 @@ def _imported_files(script: Path) -> set[str]:
     return files
 
 
+def _library_closure(files: set[str]) -> set[str]:
+    """`files` and every library file they run, transitively (tests/test_imports.py's import graph). Not
+    followed: the plumbing's imports (it writes and logs what the stage computed) and config.py's (the
+    registries it takes allowed values from; a stage's results follow the params values, which DVC tracks)."""
+    from tests.test_imports import import_graph, module_names
+
+    paths = {name: str(path.relative_to(REPO)) for name, path in module_names(REPO / "edgeflux").items()}
+    modules = {p: n for n, p in paths.items()}
+    edges = import_graph().edges
+    todo = [modules[f] for f in files if f in modules]
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if paths[name] not in PLUMBING | {"edgeflux/config.py"}:
+            todo += edges.get(name, ())
+    return files | {paths[n] for n in seen}
+
+
 def test_every_stage_depends_on_the_code_it_runs():
-    """dvc repro reruns a stage only when a dep changed: code a stage imports but does not list
-    would leave its outputs stale after a change (as edgeflux/data.py's tensors() once was)."""
+    """dvc repro reruns a stage only when a dep changed: code a stage runs, directly or through the library
+    modules it imports, but does not list would leave its outputs stale after a change (as edgeflux/data.py's
+    tensors() once was)."""
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
     for name, stage in stages.items():
         deps = [d if isinstance(d, str) else next(iter(d)) for d in stage.get("deps", [])]
         module = stage["cmd"].split()[-1]
-        needed = _imported_files(REPO / (module.replace(".", "/") + ".py")) - PLUMBING
+        needed = _library_closure(_imported_files(REPO / (module.replace(".", "/") + ".py"))) - PLUMBING
         if stage.get("params"):   # params are read, checked and defaulted by edgeflux/config.py
             needed.add("edgeflux/config.py")
-        missing = {f for f in needed if not f.endswith("__init__.py")   # a package: its modules are named
-                   and not any(f == d or f.startswith(d.rstrip("/") + "/") for d in deps)}
+        missing = {f for f in needed if not any(f == d or f.startswith(d.rstrip("/") + "/") for d in deps)}
         assert not missing, f"stage {name}: dvc.yaml deps lack {sorted(missing)}"
 
 

@@ -9,17 +9,34 @@ def test_time_to_target_is_the_first_time_the_curve_reaches_it():
 
 
 def test_summary_rows_from_stage_outputs(tmp_path):
-    metrics, plots = tmp_path / "metrics", tmp_path / "plots"
-    metrics.mkdir(), plots.mkdir()
     common = {"batch_size": 45, "peak_mem_bytes": 2**20 * 22, "train_time_s": 80.0, "test_acc": 0.9}
-    (metrics / "train_bp.json").write_text(json.dumps({**common, "model": "vgg11-w0.25", "budget_bytes": 24_000_000}))
-    (metrics / "pretrain.json").write_text(json.dumps({"resnet18-w0.25": {**common, "batch_size": 128}}))
-    (plots / "train_bp.csv").write_text("step,epoch,time_s,train_loss,val_acc\n1,0.5,10.0,1.0,0.80\n2,1.0,20.0,0.5,0.88\n")
-    rows = summary_rows(metrics, plots, target_acc=0.85)
+    metrics = {"train_bp": {**common, "model": "vgg11-w0.25", "budget_bytes": 24_000_000},
+               "pretrain": {"resnet18-w0.25": {**common, "batch_size": 128}}}
+    curve = tmp_path / "train_bp.csv"
+    curve.write_text("step,epoch,time_s,train_loss,val_acc\n1,0.5,10.0,1.0,0.80\n2,1.0,20.0,0.5,0.88\n")
+    rows = summary_rows(metrics, {"train_bp": curve, "train_blocks": tmp_path / "not_written.csv"}, target_acc=0.85)
     assert [(r["stage"], r["batch"], r["to target s"]) for r in rows] == [("pretrain", 128, "-"), ("train_bp", 45, "20.0")]
     assert rows[1]["measured peak"] == "22.0 MiB" and rows[1]["budget"] == "22.9 MiB"
     table = markdown_table(rows)
     assert table.count("\n") == 4 and "| train_bp | target (device) | vgg11-w0.25 | 45 |" in table
+    # a curve already read counts the same as its file
+    assert summary_rows(metrics, {"train_bp": ([10.0, 20.0], [0.80, 0.88])}, target_acc=0.85) == rows
+
+
+def test_report_stage_reads_the_files_dvc_yaml_lists_as_its_deps():
+    """dvc reruns the report when a listed dep changes: a file read but not listed would leave it stale,
+    one listed but not read would rerun it for nothing."""
+    from pathlib import Path
+
+    import yaml
+
+    from stages import report
+
+    deps = yaml.safe_load((Path(__file__).resolve().parents[1] / "dvc.yaml").read_text())["stages"]["report"]["deps"]
+    data_deps = {Path(d) for d in deps if not d.startswith(("stages/", "edgeflux/"))}
+    reads = {*report.METRICS.values(), *report.STAGE_CURVES.values(), *report.MEMORY_SOURCES.values(),
+             *report.CURVES.values()}
+    assert reads == data_deps
 
 
 def _measured_memory_report(tmp_path, context=None):

@@ -104,3 +104,54 @@ def test_checkpoint_of_other_data_or_activation_storage_is_not_resumed(mnist_sub
     assert resumed_from((x, y), context) == 0
     ckpt.write_bytes(kept)
     assert resumed_from(train, plain) == 1
+
+
+def _spy_calls(monkeypatch, step_class) -> list:
+    """Record the model of every call of step_class (the one step every trainer and measurement runs)."""
+    calls, original = [], step_class.__call__
+
+    def spy(self, x, y):
+        calls.append(self.model)
+        return original(self, x, y)
+    monkeypatch.setattr(step_class, "__call__", spy)
+    return calls
+
+
+def test_the_budget_measures_the_step_that_trains(monkeypatch, mnist_subset):
+    """Backprop's batch search measures TrainStep on copies of the model and fit trains the model with
+    TrainStep: every training step and every measured step is that one step. A trainer that ran a step of
+    its own (a copy beside the measured one, free to drift from it) would leave the model's count at zero."""
+    from edgeflux.backprop import train_under_budget
+    from edgeflux.config import MemoryOptions
+    from edgeflux.step import TrainStep
+
+    calls = _spy_calls(monkeypatch, TrainStep)
+    model = small_model(mnist_subset)
+    train, val = tensors(mnist_subset, "train", limit=256), tensors(mnist_subset, "val", limit=64)
+    run = train_under_budget(model, train, val, val, 10, OPTS.model_copy(update={"epochs": 1}),
+                             MemoryOptions(budget="1GB", max_batch=64), torch.device("cpu"))
+    on_model = sum(m is model for m in calls)
+    assert run.train.steps == 4 and on_model == run.train.steps
+    # a warm-up and a measured step per batch size the search measured, each on a copy
+    assert len(calls) - on_model == 2 * len(run.batch_fit.measurements) >= 4
+
+
+def test_neuroflux_blocks_measure_the_step_that_trains(monkeypatch, mnist_subset, tmp_path):
+    """The same for NeuroFlux: the block's measured step and its training steps are BlockStep calls."""
+    from edgeflux.config import NeuroFluxParams
+    from edgeflux.neuroflux.block import BlockStep
+    from edgeflux.neuroflux.model import build_learners
+    from edgeflux.neuroflux.partition import Block
+    from edgeflux.neuroflux.worker import CacheOptions, train_blocks
+
+    calls = _spy_calls(monkeypatch, BlockStep)
+    spec = dict(name="vgg11", num_classes=10, in_channels=1, width=0.125, image_size=32, batch_norm=True, seed=0)
+    _, learners = build_learners(spec, dict(mode="adaptive", classic_filters=256, pool=2, seed=0))
+    data = {"train": tensors(mnist_subset, "target_train", limit=128),
+            "val": tensors(mnist_subset, "target_val", limit=32), "test": tensors(mnist_subset, "target_test", limit=32)}
+    run = train_blocks(learners[:2], [Block(index=0, units=(0, 1), batch_size=32)], data,
+                       NeuroFluxParams(epochs=1, evals_per_epoch=1), workdir=tmp_path, budget_bytes=10**9,
+                       cache=CacheOptions(shard_samples=64))
+    on_learners = sum(m.learners[0] is learners[0] for m in calls)
+    assert run.blocks[0].steps == 4 and on_learners == 4
+    assert len(calls) - on_learners == 2      # the planned batch fits: one warm-up and one measured step

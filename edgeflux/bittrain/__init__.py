@@ -7,15 +7,14 @@
 
     training_step_fn(model, opt, x, y, context=opts.context)   # as an edgeflux.memory StepContext
 
-Modules: bitmap (the format), hooks (saved-tensor hooks, accounting), doublemask (BatchNorm /
-activation mask propagation). Unit attribution: edgeflux.memory.UnitTracker.
+Modules: bitmap (the format), hooks (saved-tensor hooks), packed (what the hooks store, accounting),
+doublemask (BatchNorm / activation mask propagation). Unit attribution: edgeflux.memory.UnitTracker.
 """
 from __future__ import annotations
 
-from edgeflux.config import BitTrainParams as BitTrainOptions  # one definition: the params.yaml section
-
 from .bitmap import BitmapTensor, FloatTensorRequired, compress, theoretical_bytes
 from .hooks import CompressedActivations, SavedTensorModifiedError, UnitStats, compressed_activations
+from .options import BitTrainOptions
 
 __all__ = [
     "BitTrainOptions",

@@ -48,7 +48,8 @@ from torch import Tensor
 
 from . import kernel
 
-__all__ = ["BitmapTensor", "compress", "compress_if_smaller", "count_kept", "theoretical_bytes", "FloatTensorRequired"]
+__all__ = ["BitmapTensor", "compress", "compress_if_smaller", "count_kept", "theoretical_bytes", "FloatTensorRequired",
+           "dense_in_memory", "flat_view", "pack_bits", "unpack_bits"]
 
 # _UNPACK[b] is an int64 whose 8 bytes are the bits of b (byte k = bit k): one gather per byte
 _UNPACK: dict[torch.device, Tensor] = {}
@@ -60,6 +61,23 @@ _UNPACK32: dict[torch.device, Tensor] = {}   # [256, 8] int32: row b = the bits 
 MIN_CHUNK, MAX_CHUNK = 1 << 15, 1 << 18
 # The compiled path (kernel.py) splits a tensor into blocks of this many elements for its threads.
 KERNEL_BLOCK = 1 << 16
+
+
+STORE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                "float64": torch.float64}
+
+
+def resolve_store_dtype(store_dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """'float16' / torch.float16 -> torch.float16; None -> None (keep each tensor's dtype)."""
+    if store_dtype is None or isinstance(store_dtype, torch.dtype):
+        if isinstance(store_dtype, torch.dtype) and not store_dtype.is_floating_point:
+            raise ValueError(f"store_dtype must be a floating dtype, got {store_dtype}")
+        return store_dtype
+    try:
+        return STORE_DTYPES[str(store_dtype)]
+    except KeyError:
+        raise ValueError(f"store_dtype must be one of {', '.join(STORE_DTYPES)} or None, "
+                         f"got {store_dtype!r}") from None
 
 
 def _chunk(n: int) -> int:
@@ -84,7 +102,7 @@ def _unpack_table(device: torch.device) -> Tensor:
     return table
 
 
-def _dense_in_memory(t: Tensor) -> bool:
+def dense_in_memory(t: Tensor) -> bool:
     """True when t's elements fill a gap-free, non-overlapping block of memory (any dim order)."""
     if t.numel() <= 1:
         return True
@@ -96,11 +114,11 @@ def _dense_in_memory(t: Tensor) -> bool:
     return True
 
 
-def _flat(t: Tensor) -> tuple[Tensor, tuple[int, ...]]:
+def flat_view(t: Tensor) -> tuple[Tensor, tuple[int, ...]]:
     """t's elements as a 1-D tensor in memory order (a view when possible), and the strides to restore."""
     if t.is_contiguous():                 # the common case, without the stride walk below
         return t.view(-1), tuple(t.stride())
-    if _dense_in_memory(t):
+    if dense_in_memory(t):
         return t.as_strided((t.numel(),), (1,), t.storage_offset()), tuple(t.stride())
     return t.reshape(-1), _contiguous_strides(t.shape)
 
@@ -126,7 +144,7 @@ def _keep_mask(flat: Tensor, threshold: float) -> Tensor:
     return padded
 
 
-def _pack(padded: Tensor) -> Tensor:
+def pack_bits(padded: Tensor) -> Tensor:
     """Bool mask (length a multiple of 8) -> uint8 bitmap, 8 elements per byte.
 
     Little-endian machines (x86, the ARM of Jetson and Raspberry Pi): each group of 8 mask bytes
@@ -147,7 +165,7 @@ def _pack(padded: Tensor) -> Tensor:
     return (a & 0xFF).to(torch.uint8)
 
 
-def _unpack(bitmap: Tensor, n: int) -> Tensor:
+def unpack_bits(bitmap: Tensor, n: int) -> Tensor:
     """uint8 bitmap -> bool mask of n elements (a gather from a 256-entry table of 8-byte patterns)."""
     table = _unpack_table(bitmap.device)
     return table.index_select(0, bitmap.to(torch.int32)).view(torch.bool)[:n]
@@ -217,7 +235,7 @@ class BitmapTensor:
             return out
         if self.device.type != "cpu":
             flat.zero_()
-            flat.masked_scatter_(_unpack(self.bitmap, n), values.to(self.dtype))
+            flat.masked_scatter_(unpack_bits(self.bitmap, n), values.to(self.dtype))
             return out
         # Per chunk: ext = [0, this chunk's values...]; element i reads ext[number of set bits up
         # to and including i] when its bit is set, ext[0] = 0 otherwise. A gather, 2x faster on
@@ -256,7 +274,7 @@ def compress(t: Tensor, threshold: float = 0.0, store_dtype: torch.dtype | None 
     if threshold < 0 or math.isnan(threshold):
         raise ValueError(f"threshold must be >= 0, got {threshold!r}")
     with torch.no_grad():
-        flat, stride = _flat(t.detach())
+        flat, stride = flat_view(t.detach())
         return compress_if_smaller(flat, t.shape, stride, threshold, store_dtype)[0]
 
 
@@ -327,7 +345,7 @@ def _compress_flat(flat: Tensor, shape: torch.Size, stride: tuple[int, ...], thr
         stop = min(start + size, n)
         chunk = flat[start:stop]
         padded = _keep_mask(chunk, threshold)
-        bitmap[start // 8: (stop + 7) // 8] = _pack(padded)
+        bitmap[start // 8: (stop + 7) // 8] = pack_bits(padded)
         mask = padded[:stop - start]
         if not cpu:
             kept = chunk[mask]

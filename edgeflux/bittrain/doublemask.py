@@ -62,8 +62,8 @@ from torch import Tensor, nn
 from edgeflux.memory import check_saved_version
 
 from . import kernel
-from .bitmap import BitmapTensor, _flat, _pack, _unpack
-from .hooks import UnitStats, _Kept, _Packed, version_source
+from .bitmap import BitmapTensor, flat_view, pack_bits, unpack_bits
+from .packed import Kept, Packed, UnitStats, version_source
 
 if TYPE_CHECKING:
     from .hooks import CompressedActivations
@@ -117,9 +117,9 @@ class _MaskOnly:
     def __init__(self, ctx: CompressedActivations, t: Tensor, stats: UnitStats, lo: float, hi: float) -> None:
         self.ctx, self.stats, self.lo, self.hi = ctx, stats, lo, hi
         self.pending: Tensor | None = t.detach()      # until the activation module returns
-        self.holder: _Kept | _Packed | None = None    # when not confirmed: stored normally
+        self.holder: Kept | Packed | None = None    # when not confirmed: stored normally
         self.output_of: tuple[Any, int] | None = None  # (weakref to r, its version) until resolve()
-        self.output: _Packed | None = None            # the activation output's bitmap (lossless storage)
+        self.output: Packed | None = None            # the activation output's bitmap (lossless storage)
         self.bitmap: Tensor | None = None             # else the mask
         self.shape, self.dtype = t.shape, t.dtype
         self.stride: tuple[int, ...] = ()
@@ -140,10 +140,10 @@ class _MaskOnly:
         a conv does, first thing), y is served from r's bitmap; otherwise y is stored as its mask."""
         c, self.pending = self.pending, None
         ctx, s, n = self.ctx, self.stats, c.numel()
-        flat, self.stride = _flat(c)
+        flat, self.stride = flat_view(c)
         if t is not None and self.output_of is not None and self.output_of[0]() is t and self.output_of[1] == t._version:
             holder = ctx.store_shared(t, ctx.unit_stats())   # the save of t that follows gets this holder too
-            if isinstance(holder, _Packed) and isinstance(holder.data, BitmapTensor):
+            if isinstance(holder, Packed) and isinstance(holder.data, BitmapTensor):
                 self.output = holder             # a copy: later in-place changes to r cannot reach it
         self.output_of = None
         if self.output is None:
@@ -152,7 +152,7 @@ class _MaskOnly:
             else:
                 padded = torch.zeros(math.ceil(n / 8) * 8, dtype=torch.bool, device=c.device)
                 padded[:n] = _passes(flat, self.lo, self.hi)
-                self.bitmap = _pack(padded)
+                self.bitmap = pack_bits(padded)
         # not in numel/nnz/theoretical_bytes: the copy is never a bitmap candidate (and counting its
         # non-zeros would cost one more pass over it)
         s.tensors += 1
@@ -179,7 +179,7 @@ class _MaskOnly:
             kernel.fill_from_mask(self.bitmap, mid, self.lo, flat)
         else:
             flat.fill_(self.lo)
-            flat.masked_fill_(_unpack(self.bitmap, n), mid)
+            flat.masked_fill_(unpack_bits(self.bitmap, n), mid)
         return out
 
 
@@ -195,7 +195,7 @@ class _BNInput:
         self.pending: Tensor | None = x.detach()
         self.version = x._version
         self.source = version_source(x)
-        self.holder: _Kept | _Packed | None = None
+        self.holder: Kept | Packed | None = None
         self.mode = ""
         self.values: Tensor | None = None
         self.r_holder: Any = None

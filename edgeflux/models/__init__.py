@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 import torch
+from pydantic import Field
+
+from edgeflux.options import Options
 
 from .mobilenet import build_mobilenet
 from .resnet import build_resnet18
@@ -22,10 +27,39 @@ from .weights import WeightsFileNotFoundError, load_torchvision_weights
 
 log = logging.getLogger(__name__)
 
-MODEL_NAMES = ("vgg11", "vgg16", "vgg19", "resnet18", "mobilenet_v2", "mobilenet_v3_small", "mobilenet_v3_large")
+# (num_classes, in_channels, width, image_size, batch_norm) -> model; build_model checks the arguments
+Builder = Callable[[int, int, float, int, bool], UnitModel]
+
+
+def _vgg(name: str) -> Builder:
+    return lambda num_classes, in_channels, width, image_size, batch_norm: build_vgg(
+        name, num_classes, in_channels, width, image_size, batch_norm)
+
+
+def _resnet18(num_classes: int, in_channels: int, width: float, image_size: int, batch_norm: bool) -> UnitModel:
+    return build_resnet18(num_classes, in_channels, width, image_size)   # always with BatchNorm
+
+
+def _mobilenet(name: str) -> Builder:
+    return lambda num_classes, in_channels, width, image_size, batch_norm: build_mobilenet(
+        name, num_classes, in_channels, width, image_size)                # always with BatchNorm
+
+
+BUILDERS: dict[str, Builder] = {
+    "vgg11": _vgg("vgg11"),
+    "vgg16": _vgg("vgg16"),
+    "vgg19": _vgg("vgg19"),
+    "resnet18": _resnet18,
+    "mobilenet_v2": _mobilenet("mobilenet_v2"),
+    "mobilenet_v3_small": _mobilenet("mobilenet_v3_small"),
+    "mobilenet_v3_large": _mobilenet("mobilenet_v3_large"),
+}
+MODEL_NAMES = tuple(BUILDERS)
 
 __all__ = [
+    "BUILDERS",
     "MODEL_NAMES",
+    "ModelSpec",
     "UNIT_KINDS",
     "UnitInfo",
     "UnitModel",
@@ -58,7 +92,7 @@ def build_model(
     width_mult). batch_norm=False exists for VGG only (BitTrain's BN-free variant).
     pretrained_path: a torchvision state_dict file to map onto the model (never downloaded).
     """
-    if name not in MODEL_NAMES:
+    if name not in BUILDERS:
         raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(MODEL_NAMES)}")
     if not (isinstance(width, (int, float)) and math.isfinite(width) and width > 0):
         raise ValueError(f"width must be a positive number (e.g. 1.0 or 0.25), got {width!r}")
@@ -71,12 +105,7 @@ def build_model(
     with torch.random.fork_rng(devices=[], enabled=seed is not None):
         if seed is not None:
             torch.manual_seed(seed)
-        if name.startswith("vgg"):
-            model = build_vgg(name, num_classes, in_channels, width, image_size, batch_norm)
-        elif name == "resnet18":
-            model = build_resnet18(num_classes, in_channels, width, image_size)
-        else:
-            model = build_mobilenet(name, num_classes, in_channels, width, image_size)
+        model = BUILDERS[name](num_classes, in_channels, width, image_size, batch_norm)
     log.info(
         "built %s: width %g, %d units, %d params, %d classes, %d input channels",
         name, width, len(model.units), count_params(model), num_classes, in_channels,
@@ -89,3 +118,23 @@ def build_model(
             name, len(summary["loaded"]), pretrained_path, [k for k, _ in summary["skipped"]], len(summary["missing"]),
         )
     return model
+
+
+class ModelSpec(Options):
+    """Which model of the zoo, how wide, and optional torchvision weights on disk."""
+
+    name: Literal[MODEL_NAMES]
+    width: float = Field(1.0, gt=0, le=4)
+    batch_norm: bool = True
+    pretrained_path: str | None = None
+
+    @property
+    def key(self) -> str:
+        """A file-name-safe id, e.g. 'mobilenet_v2-w0.5'."""
+        return f"{self.name}-w{self.width:g}" + ("" if self.batch_norm else "-nobn")
+
+    def build_args(self, num_classes: int, in_channels: int, image_size: int, seed: int | None) -> dict:
+        """build_model keyword arguments (pretrained_path aside). Saved in model files and hashed into
+        run signatures: keys, order and values must stay as they are."""
+        return dict(name=self.name, num_classes=num_classes, in_channels=in_channels, width=self.width,
+                    image_size=image_size, batch_norm=self.batch_norm, seed=seed)

@@ -162,3 +162,28 @@ class UnitModel(nn.Module):
             f"name={self.name!r}, units={len(self.units)}, num_classes={self.num_classes}, "
             f"in_channels={self.in_channels}, image_size={self.image_size}, width={self.width}"
         )
+
+
+def keep_eval(module: nn.Module) -> nn.Module:
+    """Mark `module` to stay in eval mode while the model around it trains (train_mode honours the
+    mark): BatchNorm whose statistics a fine-tuning method froze keeps normalising with them."""
+    module.__dict__["edgeflux_keep_eval"] = True
+    return module.eval()
+
+
+def freeze(module: nn.Module) -> nn.Module:
+    """No gradients for `module`'s parameters, and eval mode while the model trains (keep_eval)."""
+    module.requires_grad_(False)
+    return keep_eval(module)
+
+
+def train_mode(model: nn.Module) -> nn.Module:
+    """model.train(), except the submodules marked keep_eval (and what they contain), which stay in eval.
+
+    What a trainer calls instead of model.train(): that would un-freeze BatchNorm a method froze.
+    """
+    model.train()
+    for m in model.modules():
+        if m.__dict__.get("edgeflux_keep_eval"):
+            m.eval()
+    return model

@@ -63,21 +63,24 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from pydantic import Field, model_validator
 from torch import Tensor
 
 from edgeflux.artifacts import atomic_write, write_json
 from edgeflux.bittrain import BitmapTensor, compress
 from edgeflux.memory import format_bytes
+from edgeflux.options import Bytes, Options
 
 __all__ = [
     "ActivationCache",
     "Batches",
     "CacheCorruptError",
+    "CacheOptions",
     "CacheNotFoundError",
     "CacheStaleError",
     "CacheWriter",
@@ -92,6 +95,30 @@ FORMAT = "edgeflux-activation-cache"
 VERSION = 1
 MANIFEST = "manifest.json"
 STORAGES = ("dense", "float16", "bittrain")
+
+
+class CacheOptions(Options):
+    """How NeuroFlux stores block activations on disk (params.yaml: neuroflux.cache)."""
+
+    storage: Literal[STORAGES] = "dense"   # float16: half the disk, approximate
+    threshold: float = Field(0.0, ge=0)   # bittrain: prune |x| < threshold (0: exact)
+    # a shard holds as many samples as fit this many bytes in the compute dtype (at least one): what
+    # reading a cache keeps in memory is a few shards, so on a device this bounds the input pipeline
+    shard_size: Bytes = Field(4 * 2**20, ge=1)
+    shard_samples: int | None = Field(None, ge=1)   # samples per shard instead (tests, benchmarks): overrides shard_size
+
+    @model_validator(mode="after")
+    def _threshold_needs_bittrain(self) -> CacheOptions:
+        # checked here, not when the first cache is written: that happens after the block has trained
+        if self.threshold and self.storage != "bittrain":
+            raise ValueError(f"threshold {self.threshold:g} prunes bitmap values: it needs storage: bittrain "
+                             f"(storage is {self.storage}); set threshold: 0 or storage: bittrain")
+        return self
+
+    def samples_per_shard(self, sample_shape: Sequence[int], dtype: torch.dtype = torch.float32) -> int:
+        if self.shard_samples is not None:
+            return self.shard_samples
+        return max(1, self.shard_size // (math.prod(sample_shape) * dtype.itemsize))
 
 
 def _shard_name(i: int) -> str:

@@ -1,7 +1,7 @@
 """The compact early-exit model: the shallowest exit that is as good as the best one.
 
     k = select_exit(val_acc, params, tolerance=0.005)
-    compact = exit_model(learners, k)          # units[0..k] + unit k's auxiliary head, one nn.Module
+    compact = ExitModel(learners, k)           # units[0..k] + unit k's auxiliary head, one nn.Module
 
 Every unit trained by local learning has its own classifier (its auxiliary head), so every unit
 is a possible exit (paper, Section 5.4). Accuracy saturates part-way through the network

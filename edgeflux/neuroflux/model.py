@@ -3,23 +3,19 @@ by every stage (profile, train_blocks and select_exit must agree on every weight
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from edgeflux.artifacts import atomic_write
-from edgeflux.config import NeuroFluxParams
 from edgeflux.models import UnitModel, build_model
 
 from .aux import LocalLearner, local_learners
 
 
-def build_args(p: NeuroFluxParams, num_classes: int, in_channels: int, image_size: int) -> dict:
-    """build_model keyword arguments for the params (seeded: the same params give the same weights)."""
-    return dict(name=p.model.name, num_classes=num_classes, in_channels=in_channels, width=p.model.width,
-                image_size=image_size, batch_norm=p.model.batch_norm, seed=p.seed)
-
-
-def aux_args(p: NeuroFluxParams) -> dict:
+def aux_args(p: Any) -> dict:
+    """local_learners keyword arguments from params.yaml's neuroflux section (any object with its fields:
+    the library does not depend on the params schema)."""
     return dict(mode=p.aux, classic_filters=p.classic_filters, pool=p.aux_pool, seed=p.seed)
 
 

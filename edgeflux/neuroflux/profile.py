@@ -49,9 +49,6 @@ class UnitProfile:
         """(a, b): what the Partitioner takes."""
         return self.slope_bytes_per_sample, self.intercept_bytes
 
-    def predict(self, batch: int) -> float:
-        return self.slope_bytes_per_sample * batch + self.intercept_bytes
-
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -1,0 +1,73 @@
+"""Datasets for edgeflux: offline first, deterministic splits, one image layout for every model.
+
+Two steps, matching the `prepare` stage:
+
+1. `load_raw(name)` finds a dataset on disk (downloading only when asked) and returns it as
+   uint8 NCHW tensors in its native size and channel count.
+2. `prepare(raw, ...)` brings every image to `image_size` x `image_size` with the requested
+   channel count, carves deterministic, class-stratified splits (train/val/test plus the
+   source/target splits used for transfer learning) and computes normalisation statistics on
+   the train split. `save_prepared` / `load_prepared` move the result between stages;
+   `tensors` and `batches` feed it to training loops.
+
+Fashion-MNIST, the default, is found without network access where the Debian package
+`dataset-fashion-mnist` is installed (/usr/share/datasets/fashion-mnist). Its idx files are
+parsed in bulk with numpy, so loading all 70,000 images takes well under a second.
+
+One module per job: `load` (raw datasets from disk), `preparation` (sizes, channels, splits,
+statistics), `store` (the prepared data on disk between stages) and `feed` (splits and batches
+for training). Everything public is importable from `edgeflux.data` itself.
+"""
+
+from edgeflux.data.feed import Batches, Images, batches, tensors
+from edgeflux.data.load import (
+    DATASETS,
+    DEBIAN_FASHION_MNIST,
+    MNIST_SUBSET_SEED,
+    MNIST_SUBSET_TEST,
+    DatasetFormatError,
+    DatasetNotFoundError,
+    RawDataset,
+    default_data_dir,
+    load_raw,
+    read_idx,
+)
+from edgeflux.data.preparation import (
+    LUMA_601,
+    DataParamsError,
+    prepare,
+    sha256_path,
+    to_gray,
+)
+from edgeflux.data.store import (
+    PreparedData,
+    PreparedDataError,
+    load_prepared,
+    save_prepared,
+)
+
+__all__ = [
+    "DATASETS",
+    "DEBIAN_FASHION_MNIST",
+    "LUMA_601",
+    "MNIST_SUBSET_SEED",
+    "MNIST_SUBSET_TEST",
+    "Batches",
+    "DataParamsError",
+    "DatasetFormatError",
+    "DatasetNotFoundError",
+    "Images",
+    "PreparedData",
+    "PreparedDataError",
+    "RawDataset",
+    "batches",
+    "default_data_dir",
+    "load_prepared",
+    "load_raw",
+    "prepare",
+    "read_idx",
+    "save_prepared",
+    "sha256_path",
+    "tensors",
+    "to_gray",
+]

@@ -1,0 +1,309 @@
+"""Preparing a raw dataset for every model: one image size and channel count, deterministic splits.
+
+prepare() converts all images in bulk (pad, antialiased resize, RGB <-> gray) into one uint8 tensor,
+carves class-stratified splits from a seed (train/val/test and the source_*/target_* splits of transfer
+learning) and computes the normalisation statistics on the train split only, so no evaluation image
+leaks into them. The manifest records every setting and a hash of every source file, so the output
+names exactly what it was made from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from edgeflux.data.store import _FORMAT_VERSION, PreparedData
+
+if TYPE_CHECKING:  # annotations only: load imports this module's helpers, so a runtime import would be circular
+    from edgeflux.data.load import RawDataset
+
+log = logging.getLogger(__name__)
+
+# ITU-R BT.601 luma weights (the ones PIL's convert("L") uses).
+LUMA_601 = (0.299, 0.587, 0.114)
+# Bulk image conversion works in chunks of about this many bytes of float32 per step: small
+# enough to stay in cache (measured faster than whole-dataset steps) and to bound memory.
+_CHUNK_BYTES = 8 << 20
+
+
+class DataParamsError(ValueError):
+    """A data.* setting does not work for this dataset (named in the message: the user's to fix)."""
+
+
+def prepare(
+    raw: RawDataset,
+    image_size: int = 32,
+    channels: int | None = None,
+    val_fraction: float = 0.1,
+    seed: int = 0,
+    split_by: str = "data",
+    source_fraction: float = 0.5,
+    source_classes: list[int] | None = None,
+) -> PreparedData:
+    """Resize/pad to `image_size`, convert to `channels` (None: native) and split deterministically.
+
+    Splits, all stratified by class and shuffled by `seed`: "train"/"val" from the original
+    training set (val is `val_fraction` of it, per class within one image of exact), "test" is
+    the original test set (same images, shuffled order so that a prefix is a fair sample).
+    Transfer-learning splits source_*/target_* for train, val and test:
+      split_by="data":    train and val split per class by `source_fraction`; test shared.
+      split_by="classes": by membership of the label in `source_classes` (default: first half).
+      split_by="none":    source_* and target_* are the full splits.
+    """
+    _check_raw(raw)
+    n_classes = len(raw.classes)
+    native_c, native_h, native_w = raw.train_images.shape[1:]
+    out_c, source_classes = _check_params(native_c, n_classes, image_size, channels, val_fraction, split_by,
+                                          source_fraction, source_classes)
+
+    n_train, n_test = len(raw.train_labels), len(raw.test_labels)
+    images = torch.empty((n_train + n_test, out_c, image_size, image_size), dtype=torch.uint8)
+    resize = _convert_into(raw.train_images, images[:n_train])
+    _convert_into(raw.test_images, images[n_train:])
+    labels = torch.cat([raw.train_labels, raw.test_labels]).to(torch.int64)
+    splits = _make_splits(raw.train_labels, labels, val_fraction, seed, split_by, source_fraction, source_classes)
+    train, val, test = splits["train"], splits["val"], splits["test"]
+
+    mean, std = _channel_stats(images, train)
+    manifest = {
+        "format": _FORMAT_VERSION,
+        "dataset": raw.name,
+        "classes": list(raw.classes),
+        "sources": [{"path": s, "sha256": sha256_path(Path(s))} for s in raw.sources],
+        "seed": seed,
+        "image_size": image_size,
+        "channels": out_c,
+        "native_channels": native_c,
+        "native_size": [native_h, native_w],
+        "resize": resize,
+        "val_fraction": val_fraction,
+        "split_by": split_by,
+        "source_fraction": source_fraction if split_by == "data" else None,
+        "source_classes": source_classes,
+        "mean": mean,
+        "std": std,
+        "counts": {
+            name: {
+                "total": len(idx),
+                "per_class": torch.bincount(labels[idx], minlength=n_classes).tolist(),
+            }
+            for name, idx in splits.items()
+        },
+    }
+    log.info(
+        "%s: %d train / %d val / %d test images, %dx%dx%d (%s), split_by=%s",
+        raw.name, len(train), len(val), len(test), out_c, image_size, image_size, resize, split_by,
+    )
+    return PreparedData(raw.name, list(raw.classes), images, labels, splits, mean, std, manifest)
+
+
+def _check_params(
+    native_c: int,
+    n_classes: int,
+    image_size: int,
+    channels: int | None,
+    val_fraction: float,
+    split_by: str,
+    source_fraction: float,
+    source_classes: list[int] | None,
+) -> tuple[int, list[int] | None]:
+    """prepare()'s settings checked against the dataset: (output channels, sorted source classes).
+
+    Every problem is a DataParamsError naming the data.* setting, raised before any image is converted.
+    """
+    if not isinstance(image_size, int) or image_size < 1:
+        raise DataParamsError(f"data.image_size must be a positive int, got {image_size!r}")
+    if channels not in (None, 1, 3):
+        raise DataParamsError(f"data.channels must be 1, 3 or None (keep the native {native_c}), got {channels!r}")
+    out_c = native_c if channels is None else channels
+    if out_c != native_c and native_c not in (1, 3):
+        raise DataParamsError(f"data.channels: cannot convert {native_c}-channel images to {out_c} channels (only 1 <-> 3)")
+    if not 0 < val_fraction < 1:
+        raise DataParamsError(f"data.val_fraction must be in (0, 1), got {val_fraction!r}")
+    if split_by not in ("data", "classes", "none"):
+        raise DataParamsError(f"data.split_by must be 'data', 'classes' or 'none', got {split_by!r}")
+    if split_by == "data" and not 0 < source_fraction < 1:
+        raise DataParamsError(f"data.source_fraction must be in (0, 1) with split_by='data', got {source_fraction!r}")
+    if source_classes is not None and split_by != "classes":
+        raise DataParamsError(f"data.source_classes only applies with split_by='classes' (split_by is {split_by!r})")
+    if split_by == "classes":
+        if source_classes is None:
+            source_classes = list(range(n_classes // 2))
+        source_classes = [int(c) for c in source_classes]
+        bad = [c for c in source_classes if not 0 <= c < n_classes]
+        if bad:
+            raise DataParamsError(f"data.source_classes {bad} out of range: class ids are 0..{n_classes - 1}")
+        if len(set(source_classes)) != len(source_classes):
+            raise DataParamsError(f"data.source_classes has duplicates: {source_classes}")
+        if not 0 < len(source_classes) < n_classes:
+            raise DataParamsError(
+                f"data.source_classes must name at least one and at most {n_classes - 1} of the "
+                f"{n_classes} classes, so both source and target have classes"
+            )
+        source_classes = sorted(source_classes)
+    return out_c, source_classes
+
+
+def _make_splits(
+    train_labels: torch.Tensor,
+    labels: torch.Tensor,
+    val_fraction: float,
+    seed: int,
+    split_by: str,
+    source_fraction: float,
+    source_classes: list[int] | None,
+) -> dict[str, torch.Tensor]:
+    """Index tensors of every split into `labels` (train images first, then test); see prepare().
+
+    One generator seeded with `seed` draws every permutation in a fixed order, so a seed names the splits.
+    """
+    n_train = len(train_labels)
+    n_test = len(labels) - n_train
+    gen = torch.Generator().manual_seed(seed)
+    train_all = torch.arange(n_train)
+    val, train = _stratified_pick(train_all, train_labels, val_fraction, gen)
+    test = n_train + torch.randperm(n_test, generator=gen)
+    if len(train) == 0 or len(val) == 0:
+        raise DataParamsError(f"data.val_fraction={val_fraction} leaves an empty train or val split ({n_train} images)")
+    splits = {"train": train, "val": val, "test": test}
+    if split_by == "data":
+        for part in ("train", "val"):
+            idx = splits[part]
+            splits[f"source_{part}"], splits[f"target_{part}"] = _stratified_pick(
+                idx, labels[idx], source_fraction, gen
+            )
+        splits["source_test"], splits["target_test"] = test.clone(), test.clone()
+    elif split_by == "classes":
+        wanted = torch.tensor(source_classes, dtype=torch.int64)
+        for part in ("train", "val", "test"):
+            idx = splits[part]
+            in_source = torch.isin(labels[idx], wanted)
+            splits[f"source_{part}"], splits[f"target_{part}"] = idx[in_source], idx[~in_source]
+    else:
+        for part in ("train", "val", "test"):
+            splits[f"source_{part}"], splits[f"target_{part}"] = splits[part].clone(), splits[part].clone()
+    for part in ("source_train", "target_train"):
+        if len(splits[part]) == 0:
+            raise DataParamsError(f"split {part!r} is empty: adjust source_fraction / source_classes")
+    return splits
+
+
+def _check_raw(raw: RawDataset) -> None:
+    for part in ("train", "test"):
+        x, y = getattr(raw, f"{part}_images"), getattr(raw, f"{part}_labels")
+        if x.dtype != torch.uint8 or x.dim() != 4:
+            raise ValueError(f"{raw.name}: {part}_images must be uint8 [N, C, H, W], got {x.dtype} {tuple(x.shape)}")
+        if y.dim() != 1 or len(y) != len(x):
+            raise ValueError(f"{raw.name}: {part}_labels must be [N] with N={len(x)}, got {tuple(y.shape)}")
+        if len(y) and (int(y.min()) < 0 or int(y.max()) >= len(raw.classes)):
+            raise ValueError(f"{raw.name}: {part}_labels outside 0..{len(raw.classes) - 1}")
+    if raw.train_images.shape[1:] != raw.test_images.shape[1:]:
+        raise ValueError(
+            f"{raw.name}: train images {tuple(raw.train_images.shape[1:])} and test images "
+            f"{tuple(raw.test_images.shape[1:])} differ in shape"
+        )
+
+
+def _convert_into(src: torch.Tensor, dst: torch.Tensor) -> str:
+    """Write `src` (uint8 NCHW) into `dst` at dst's size and channels, in chunks; returns the method."""
+    size, out_c = dst.shape[-1], dst.shape[1]
+    h, w = src.shape[-2:]
+    if (h, w) == (size, size):
+        method = "none"
+    elif (h, w) == (28, 28) and size == 32:
+        method = "pad"  # the LeNet convention: exact, every original pixel kept
+    else:
+        method = "bilinear"
+    pixels = max(src.shape[1] * h * w, out_c * size * size)
+    chunk = max(1, _CHUNK_BYTES // (4 * pixels))
+    for start in range(0, len(src), chunk):
+        x = src[start : start + chunk]
+        if x.shape[1] == 3 and out_c == 1:
+            x = to_gray(x)  # before resizing: a third of the work
+        if method == "pad":
+            x = F.pad(x, (2, 2, 2, 2))
+        elif method == "bilinear":
+            x = _resize(x, (size, size))
+        dst[start : start + len(x)] = x  # broadcasts 1 -> 3 channels by repeating
+    return method
+
+
+def _resize(x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """Bilinear, antialiased resize of uint8 NCHW images, rounded back to uint8."""
+    y = F.interpolate(x.float(), size=size, mode="bilinear", align_corners=False, antialias=True)
+    return y.round_().clamp_(0, 255).to(torch.uint8)
+
+
+def to_gray(x: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, 3, H, W] RGB -> uint8 [N, 1, H, W] ITU-R 601 luma, rounded."""
+    weights = torch.tensor(LUMA_601, dtype=torch.float32).view(1, 3, 1, 1)
+    return (x.float() * weights).sum(1, keepdim=True).round_().clamp_(0, 255).to(torch.uint8)
+
+
+def _stratified_pick(
+    idx: torch.Tensor, labels: torch.Tensor, fraction: float, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split `idx` into (picked, rest), picking `fraction` of every class; both shuffled.
+
+    Per class floor(n_c * fraction) images, plus one more for the classes with the largest
+    remainders until the total is round(n * fraction): every class within one image of exact,
+    and the total exact too.
+    """
+    if len(idx) == 0:
+        return idx.clone(), idx.clone()
+    classes, counts = torch.unique(labels, return_counts=True)
+    exact = counts.double() * fraction
+    take = exact.floor().long()
+    short = round(len(idx) * fraction) - int(take.sum())
+    if short > 0:  # ties go to the lower class id (stable sort): deterministic
+        order = torch.argsort(exact - take, descending=True, stable=True)
+        take[order[:short]] += 1
+    picked, rest = [], []
+    for c, k in zip(classes.tolist(), take.tolist()):
+        members = idx[labels == c]
+        members = members[torch.randperm(len(members), generator=gen)]
+        picked.append(members[:k])
+        rest.append(members[k:])
+    picked_t, rest_t = torch.cat(picked), torch.cat(rest)
+    return (
+        picked_t[torch.randperm(len(picked_t), generator=gen)],
+        rest_t[torch.randperm(len(rest_t), generator=gen)],
+    )
+
+
+def _channel_stats(images: torch.Tensor, idx: torch.Tensor) -> tuple[list[float], list[float]]:
+    """Exact per-channel mean/std (population) on the [0, 1] scale, via 256-bin histograms."""
+    n_c = images.shape[1]
+    hist = torch.zeros(n_c, 256, dtype=torch.float64)
+    chunk = max(1, 4 * _CHUNK_BYTES // images[0].numel())  # uint8 copies here
+    for start in range(0, len(idx), chunk):
+        x = images[idx[start : start + chunk]]
+        for c in range(n_c):
+            hist[c] += torch.bincount(x[:, c].reshape(-1), minlength=256).double()
+    values = torch.arange(256, dtype=torch.float64) / 255
+    n = hist.sum(1)
+    mean = (hist * values).sum(1) / n
+    var = ((hist * values**2).sum(1) / n - mean**2).clamp_min(0)
+    std = var.sqrt()
+    std[std == 0] = 1.0  # a constant channel: leave it unscaled rather than divide by zero
+    return mean.tolist(), std.tolist()
+
+
+def sha256_path(path: Path) -> str | None:
+    """sha256 of a file; of a folder, over its files' relative paths and contents; None if absent."""
+    if path.is_file():
+        with path.open("rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    if path.is_dir():
+        h = hashlib.sha256()
+        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+            h.update(f.relative_to(path).as_posix().encode() + b"\0")
+            h.update(bytes.fromhex(sha256_path(f)))
+        return h.hexdigest()
+    return None
+

@@ -1,0 +1,41 @@
+"""Measuring the memory of one training step: one API for CPU and CUDA.
+
+    mem = measure_step(training_step_fn(model, opt, x, y), model=model, optimizer=opt, inputs=(x, y))
+    mem.peak_bytes, mem.activation_bytes, mem.saved_by_unit, mem.rss_peak_bytes
+    choice = choose_batch(measure, data, budget_bytes=..., max_batch=256)   # the batch a trainer uses
+
+What is measured, and how (one module per job):
+
+* ``step``: the peak of one step. CUDA: the caching allocator's own counter,
+  ``torch.cuda.max_memory_allocated`` after ``torch.cuda.reset_peak_memory_stats``. CPU: the exact
+  peak of live tensor bytes during the step (``tracker``). Tensors that exist before the step
+  (parameters, buffers, gradients, optimizer state, the batch) count from the start.
+  ``measure_training_step`` measures the step a trainer runs (built by the same factory) on a copy.
+* ``saved``: bytes saved for backward, counted in ``torch.autograd.graph.saved_tensors_hooks``,
+  deduplicated by storage (a ReLU output that the next conv also saves counts once), parameters and
+  buffers excluded (their memory exists anyway), attributed to the unit whose forward is running.
+* ``process``: process peak RSS (a 1 ms sampling thread) and USS after the step (psutil): a
+  cross-check of the process as a whole (interpreter, libraries, allocator caches), never the figure.
+* ``budget``: the batch size under a budget (``choose_batch``, ``max_batch_under_budget``) and the
+  error that names the smallest feasible budget (``BudgetTooSmallError``).
+* ``sizes``: bytes for people (``format_bytes``) and budgets rounded up (``budget_at_least``).
+"""
+from edgeflux.step import StepContext, TrainStep, no_context, training_step_fn
+
+from .budget import (CONTENT_SAMPLES, BatchChoice, BatchFit, BudgetTooSmallError, choose_batch, fit_linear,
+                     largest_over_batches, max_batch_under_budget)
+from .process import retain_freed_heap
+from .saved import (OUTSIDE_UNITS, SavedTensorCounter, SavedTensorModifiedError, UnitsArg, UnitTracker,
+                    check_saved_version, count_saved_tensors, resolve_units, saved_bytes_by_node)
+from .sizes import MiB, budget_at_least, format_bytes
+from .step import StepMemory, measure_step, measure_training_peak, measure_training_step
+from .tracker import LiveTensorTracker, track_live_tensors
+
+__all__ = [
+    "CONTENT_SAMPLES", "MiB", "OUTSIDE_UNITS", "BatchChoice", "BatchFit", "BudgetTooSmallError", "LiveTensorTracker",
+    "SavedTensorCounter", "SavedTensorModifiedError", "StepContext", "StepMemory", "TrainStep", "UnitTracker",
+    "UnitsArg", "budget_at_least", "check_saved_version", "choose_batch", "count_saved_tensors", "fit_linear",
+    "format_bytes", "largest_over_batches", "max_batch_under_budget", "measure_step", "measure_training_peak",
+    "measure_training_step", "no_context", "resolve_units", "retain_freed_heap", "saved_bytes_by_node",
+    "track_live_tensors", "training_step_fn",
+]

@@ -1,0 +1,227 @@
+"""Measuring one training step: the figure a memory budget is held against.
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import logging
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from edgeflux.models.units import train_mode
+from edgeflux.step import StepContext, StepFactory, TrainStep
+
+from .process import RssSampler, uss_bytes
+from .saved import count_saved_tensors
+from .tracker import LiveTensorTracker, storage_of as _storage, track_live_tensors
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepMemory:
+    """Memory of one training step. peak_bytes is measured; rss/uss are a process-level cross-check."""
+    device: str
+    method: str                      # "cuda_allocator" | "cpu_live_tensors"
+    peak_bytes: int                  # measured peak of live tensor bytes (CUDA: max_memory_allocated)
+    param_bytes: int                 # the categories below: alive at the peak (CPU) / after the step (CUDA)
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int            # peak - params - buffers - grads - optimizer: activations, saved, temps, input
+    saved_bytes: int                 # saved for backward, deduplicated, parameters and buffers excluded
+    saved_by_unit: dict[str, int] = field(default_factory=dict)
+    rss_peak_bytes: int | None = None    # process peak RSS during the step (sampled), not exact
+    uss_bytes: int | None = None         # process USS after the step, not exact
+    buffer_bytes: int = 0                # BN running statistics etc.
+    activation_storage: dict | None = None   # the step context's own accounting (e.g. BitTrain's summary)
+
+    def set_stored(self, storage: dict, stored_by_unit: dict[str, int]) -> None:
+        """A step context with saved-tensor hooks of its own (BitTrain) is innermost, so the generic
+        count of saved tensors saw nothing: what was saved for backward is what the context stored."""
+        self.activation_storage = storage
+        self.saved_by_unit = dict(stored_by_unit)
+        self.saved_bytes = sum(self.saved_by_unit.values())
+
+    def to_dict(self) -> dict:
+        # unit_order: saved_by_unit's keys in model order (JSON files are written with sorted keys)
+        return {**asdict(self), "unit_order": list(self.saved_by_unit)}
+
+
+def _tensors_of_state(optimizer: torch.optim.Optimizer | None) -> Iterator[Tensor]:
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            yield from (v for v in state.values() if isinstance(v, Tensor))
+
+
+def _unique_bytes(tensors: Iterable[Tensor]) -> int:
+    storages = {id(st): st.nbytes() for st in map(_storage, tensors) if st is not None}
+    return sum(storages.values())
+
+
+def _parameters(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> list[Tensor]:
+    params = list(model.parameters()) if model is not None else []
+    if optimizer is not None:
+        params += [p for g in optimizer.param_groups for p in g["params"]]
+    return list({id(p): p for p in params}.values())
+
+
+def _seed(tracker: LiveTensorTracker, params: list[Tensor], buffers: list[Tensor],
+          optimizer: torch.optim.Optimizer | None, inputs: Sequence[Tensor]) -> None:
+    # A function of its own so that no reference to a seeded tensor (e.g. last step's
+    # gradient, which the step frees) outlives it.
+    for p in params:
+        tracker.track(p, "param")
+    for b in buffers:
+        tracker.track(b, "buffer")
+    for p in params:
+        if p.grad is not None:
+            tracker.track(p.grad, "grad")
+    for t in _tensors_of_state(optimizer):
+        tracker.track(t, "optimizer")
+    for t in inputs:
+        tracker.track(t, "input")
+
+
+def _label_after_step(tracker: LiveTensorTracker, params: list[Tensor],
+                      optimizer: torch.optim.Optimizer | None) -> None:
+    # Gradients and optimizer state created during the step are only known once it is done.
+    for p in params:
+        if p.grad is not None:
+            tracker.label(p.grad, "grad")
+    for t in _tensors_of_state(optimizer):
+        tracker.label(t, "optimizer")
+
+
+def measure_step(step: Callable[[], Any], *, model: nn.Module | None = None, optimizer=None,
+                 inputs: Sequence[Tensor] = (), units: Sequence[tuple[str, nn.Module]] | None = None,
+                 device: str | torch.device = "cpu", process_stats: bool = True) -> StepMemory:
+    """Run `step()` once and measure its memory.
+
+    model/optimizer/inputs: the tensors that exist before the step, counted in the peak from
+    the start and reported per category. units: (name, module) pairs for saved_by_unit;
+    defaults to zip(model.unit_names, model.units) when the model has them. process_stats=False
+    leaves out the process cross-check (rss_peak_bytes, uss_bytes: None): reading USS parses
+    /proc/self/smaps_rollup, ~7 ms, and the RSS sampler is a thread polling beside the step,
+    which a caller that keeps only peak_bytes (the NeuroFlux profiler) need not pay for.
+    """
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"measure_step supports 'cpu' and 'cuda' devices, not {device}")
+    if units is None and model is not None and hasattr(model, "units") and hasattr(model, "unit_names"):
+        units = list(zip(model.unit_names, model.units))
+    params = _parameters(model, optimizer)
+    buffers = list(model.buffers()) if model is not None else []
+
+    with _collector_paused(full=device.type == "cuda"), \
+            (RssSampler() if process_stats else nullcontext()) as rss, \
+            count_saved_tensors(units, params + buffers) as saved:
+        if device.type == "cuda":
+            peak, at_peak = _cuda_peak(step, device), None
+        else:
+            with track_live_tensors() as tracker:
+                _seed(tracker, params, buffers, optimizer, inputs)
+                step()
+                _label_after_step(tracker, params, optimizer)
+            peak, at_peak = tracker.peak_bytes, tracker.bytes_at_peak()
+
+    if at_peak is None:   # CUDA: the persistent tensors as they are after the step
+        at_peak = {"param": _unique_bytes(params), "buffer": _unique_bytes(buffers),
+                   "grad": _unique_bytes(p.grad for p in params if p.grad is not None),
+                   "optimizer": _unique_bytes(_tensors_of_state(optimizer))}
+    known = {k: at_peak.get(k, 0) for k in ("param", "buffer", "grad", "optimizer")}
+    return StepMemory(
+        device=str(device),
+        method="cuda_allocator" if device.type == "cuda" else "cpu_live_tensors",
+        peak_bytes=int(peak),
+        param_bytes=known["param"], grad_bytes=known["grad"], optimizer_bytes=known["optimizer"],
+        activation_bytes=int(peak) - sum(known.values()),
+        saved_bytes=saved.total_bytes, saved_by_unit=dict(saved.by_unit),
+        rss_peak_bytes=rss.peak if process_stats else None, uss_bytes=uss_bytes() if process_stats else None,
+        buffer_bytes=known["buffer"],
+    )
+
+
+@contextmanager
+def _collector_paused(full: bool) -> Iterator[None]:
+    """Collect young cyclic garbage, then keep the cycle collector off for the block (restored after).
+
+    Garbage of earlier steps must not be freed inside a measured step: a collection at some
+    moment of the step would free what it holds (an old gradient, say) at a moment that depends
+    on the allocation history. So the young generations, where the garbage of the steps just
+    before lies, are collected first (milliseconds), and inside the block nothing is freed but by
+    reference counting. Not a full collection: it walks every object of the process (torch,
+    MLflow, Prefect: ~130 ms a call on the 2-core VM) and took two thirds of NeuroFlux's profiling
+    time. Older garbage is rare, and on CPU it enters the peak only if it holds a storage the step
+    reads or seeds (memory really held, then). The CUDA allocator counts every allocated byte, so
+    there (``full``) all garbage is collected first.
+    """
+    gc.collect(2 if full else 1)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _cuda_peak(step: Callable[[], Any], device: torch.device) -> int:
+    """Peak bytes the CUDA caching allocator handed to tensors during `step()`."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)   # the peak restarts at what is allocated now
+    step()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device)
+
+
+def measure_training_step(model: nn.Module, make_step: StepFactory, warmup: tuple[Tensor, Tensor],
+                          batch: tuple[Tensor, Tensor], device: str | torch.device = "cpu",
+                          process_stats: bool = True) -> StepMemory:
+    """Measure one steady-state step of ``make_step(copy of model)`` on ``batch``; ``model`` is untouched.
+
+    The step is the one the trainer runs (the same factory builds both), on a deep copy in training mode
+    (modules a method keeps in eval mode stay so). It takes one warm-up step on ``warmup`` first, so that
+    optimizer state (SGD momentum, Adam moments) exists as it does during training; the next step is
+    measured. process_stats: see measure_step.
+    """
+    device = torch.device(device)
+    net = train_mode(copy.deepcopy(model).to(device))
+    step = make_step(net)
+    step(warmup[0].to(device), warmup[1].to(device))
+    x, y = batch[0].to(device), batch[1].to(device)
+    memory = measure_step(lambda: step(x, y), model=net, optimizer=step.optimizer, inputs=(x, y), units=step.units(),
+                          device=device, process_stats=process_stats)
+    if (stored := step.activation_storage()) is not None:
+        memory.set_stored(*stored)
+    return memory
+
+
+def measure_training_peak(model: nn.Module, optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+                          sample_shape: Sequence[int], num_classes: int, batch: int,
+                          device: str | torch.device = "cpu", data: tuple[Tensor, Tensor] | None = None,
+                          context: StepContext | None = None, process_stats: bool = True) -> StepMemory:
+    """measure_training_step of the standard TrainStep at batch size `batch`.
+
+    Inputs: the first `batch` samples of `data` when given (real images: activation sparsity, which
+    compressed storage depends on, is that of the data), else random inputs of shape [batch, *sample_shape]
+    and random labels (the warm-up step gets a draw of its own). `context` wraps forward and backward as in
+    training (see edgeflux.step.TrainStep).
+    """
+    gen = torch.Generator().manual_seed(batch)
+
+    def batch_tensors() -> tuple[Tensor, Tensor]:
+        if data is not None:
+            if len(data[0]) < batch:
+                raise ValueError(f"cannot measure batch {batch} on {len(data[0])} samples")
+            return data[0][:batch].clone(), data[1][:batch].clone()
+        x = torch.randn(batch, *sample_shape, generator=gen)
+        return x, torch.randint(0, num_classes, (batch,), generator=gen)
+
+    warmup = batch_tensors()
+    return measure_training_step(model, TrainStep.factory(optimizer_factory, context=context), warmup,
+                                 batch_tensors(), device, process_stats)

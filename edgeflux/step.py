@@ -1,0 +1,111 @@
+"""One training step: what every trainer runs and what the memory budget measures.
+
+    make_step = TrainStep.factory(optimizer_factory(opts), context=opts.bittrain.context)
+    step = make_step(model)      # the optimizer holds the model's trainable parameters
+    loss = step(x, y)            # zero_grad(set_to_none), forward, loss, backward, optimizer step
+
+A trainer never writes a step of its own. The training loop (``edgeflux.train.train_loop``) calls
+a step, and the batch chooser (``edgeflux.memory.choose_batch``, through
+``edgeflux.memory.measure_training_step``) measures a step built by the same factory on a copy of
+the model: what the budget is held against is the step that trains. NeuroFlux's block step
+(``edgeflux.neuroflux.block.BlockStep``: every unit of a block learns from its own local loss) has
+the same shape; neither the loop nor the measurement knows which step it runs.
+
+A step is any object with:
+
+* ``model``: the module that trains (its parameters, buffers and train/eval modes);
+* ``optimizer``: built over the model's trainable parameters (``trainable_parameters``);
+* ``__call__(x, y) -> float``: one step on a batch, returning the loss;
+* ``units()``: (name, module) pairs that saved activations are attributed to, or None;
+* ``activation_storage()``: the step context's own accounting of the last call (BitTrain's
+  bytes as stored, per unit), or None when the context stores activations as autograd does.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
+from functools import partial
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+StepContext = Callable[[nn.Module], AbstractContextManager]
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+def no_context(model: nn.Module) -> AbstractContextManager:
+    """The StepContext of plain training: nothing changes how activations are saved."""
+    return nullcontext()
+
+
+class Step(Protocol):
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def __call__(self, x: Tensor, y: Tensor) -> float: ...
+
+    def units(self) -> list[tuple[str, nn.Module]] | None: ...
+
+    def activation_storage(self) -> tuple[dict, dict[str, int]] | None: ...
+
+
+StepFactory = Callable[[nn.Module], Step]
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters a step updates: those that require gradients (a fine-tuning method freezes the rest)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def unit_pairs(model: nn.Module) -> list[tuple[str, nn.Module]] | None:
+    """(name, unit) of a UnitModel, for saved-bytes attribution; None for any other module."""
+    if hasattr(model, "units") and hasattr(model, "unit_names"):
+        return list(zip(model.unit_names, model.units))
+    return None
+
+
+class TrainStep:
+    """The standard step: zero_grad(set_to_none), forward, loss, backward, optimizer step.
+
+    context(model) is entered around forward and backward (e.g. BitTrain's compressed saved
+    activations), so a measured step stores activations exactly as the trainer does.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy, context: StepContext | None = None):
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.context = context or no_context
+        self.entered: Any = None    # the context object of the last call (its accounting, if it has one)
+
+    @classmethod
+    def factory(cls, optimizer_factory: OptimizerFactory, loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy,
+                context: StepContext | None = None) -> StepFactory:
+        """model -> a TrainStep whose optimizer holds the model's trainable parameters."""
+        return lambda model: cls(model, optimizer_factory(trainable_parameters(model)), loss_fn, context)
+
+    def __call__(self, x: Tensor, y: Tensor) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        with self.context(self.model) as entered:
+            loss = self.loss_fn(self.model(x), y)
+            loss.backward()
+        self.entered = entered
+        self.optimizer.step()
+        return loss.item()
+
+    def units(self) -> list[tuple[str, nn.Module]] | None:
+        return unit_pairs(self.model)
+
+    def activation_storage(self) -> tuple[dict, dict[str, int]] | None:
+        if not hasattr(self.entered, "summary"):
+            return None
+        summary = self.entered.summary()
+        return summary, {name: unit["stored_bytes"] for name, unit in summary["units"].items()}
+
+
+def training_step_fn(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor,
+                     loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy,
+                     context: StepContext | None = None) -> Callable[[], float]:
+    """A TrainStep bound to one batch: a closure for edgeflux.memory.measure_step and benchmarks."""
+    return partial(TrainStep(model, optimizer, loss_fn, context), x, y)

@@ -1,0 +1,153 @@
+"""The library's import graph, read from the source: no cycles, and no dependency on the pipeline.
+
+Every import counts, at module level and inside functions (a lazy import hides a cycle until the
+function runs); only imports under ``if TYPE_CHECKING:`` are left out (they never run). Importing
+``a.b.c`` also runs the ``__init__`` of ``a`` and ``a.b``, except packages the importer is itself
+inside (they are already being imported), and ``from pkg import name`` where ``pkg.name`` is a
+module imports that module.
+"""
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "edgeflux"
+# the pipeline's own code and tools: the library must work without them
+FORBIDDEN = ("stages", "pipeline", "prefect", "dvc", "mlflow")
+ALLOWED = {"edgeflux.tracking": {"mlflow"}}   # the MLflow adapter
+
+
+@dataclass
+class ImportGraph:
+    edges: dict[str, set[str]] = field(default_factory=dict)   # module -> the package's modules it runs
+    named: dict[str, set[str]] = field(default_factory=dict)   # module -> every module its imports name
+
+
+def module_names(root: Path) -> dict[str, Path]:
+    """'edgeflux.bittrain' -> .../edgeflux/bittrain/__init__.py, 'edgeflux.config' -> .../config.py, ..."""
+    names = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+class _Imports(ast.NodeVisitor):
+    """(module, names) for each import statement; names is None for ``import module``."""
+
+    def __init__(self, importer: str, is_package: bool) -> None:
+        self.package = importer if is_package else importer.rpartition(".")[0]
+        self.found: list[tuple[str, list[str] | None]] = []
+
+    def visit_If(self, node: ast.If) -> None:
+        test = node.test
+        if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+                (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"):
+            for child in node.orelse:
+                self.visit(child)
+        else:
+            self.generic_visit(node)
+
+    def visit_Import(self, node: ast.Import) -> None:
+        self.found += [(alias.name, None) for alias in node.names]
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        base = node.module or ""
+        if node.level:
+            parts = self.package.split(".")
+            anchor = ".".join(parts[:len(parts) - node.level + 1])
+            base = f"{anchor}.{base}" if base else anchor
+        self.found.append((base, [alias.name for alias in node.names]))
+
+
+def _parents(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _targets(importer: str, module: str, names: list[str] | None, known: set[str]) -> set[str]:
+    """The modules whose code runs (or whose namespace is read) for one import statement."""
+    submodules = {f"{module}.{n}" for n in names or () if f"{module}.{n}" in known}
+    reads_module = names is None or len(submodules) < len(names)
+    direct = submodules | ({module} if reads_module else set())
+    implied = set(_parents(module)) | ({module} if not reads_module else set())
+    inside = set(_parents(importer)) | {importer}
+    return (direct | (implied - inside)) - {importer}
+
+
+def import_graph(root: Path = PACKAGE) -> ImportGraph:
+    modules = module_names(root)
+    known = set(modules)
+    graph = ImportGraph()
+    for name, path in modules.items():
+        finder = _Imports(name, path.name == "__init__.py")
+        finder.visit(ast.parse(path.read_text(), filename=str(path)))
+        graph.edges[name] = set().union(*(_targets(name, m, names, known) for m, names in finder.found)) & known
+        graph.named[name] = {m for m, _ in finder.found}
+    return graph
+
+
+def find_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per edge back into the depth-first path, each as [a, b, ..., a], deduplicated."""
+    cycles: dict[frozenset, list[str]] = {}
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> None:
+        for nxt in sorted(edges.get(node, ())):
+            if nxt in path:
+                cycle = path[path.index(nxt):] + [nxt]
+                cycles.setdefault(frozenset(zip(cycle, cycle[1:])), cycle)
+            elif nxt not in done:
+                visit(nxt, path + [nxt])
+        done.add(node)
+
+    for start in sorted(edges):
+        if start not in done:
+            visit(start, [start])
+    return list(cycles.values())
+
+
+def forbidden_imports(graph: ImportGraph) -> list[str]:
+    found = []
+    for importer, targets in sorted(graph.named.items()):
+        for target in sorted(targets):
+            top = target.partition(".")[0]
+            if top in FORBIDDEN and top not in ALLOWED.get(importer, ()):
+                found.append(f"{importer} imports {target}")
+    return found
+
+
+def test_library_has_no_import_cycles():
+    cycles = find_cycles(import_graph().edges)
+    assert not cycles, "import cycles in edgeflux (move what both sides need into a module of its own):\n" + \
+        "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_library_does_not_import_the_pipeline():
+    found = forbidden_imports(import_graph())
+    assert not found, f"library modules import pipeline code or tools ({', '.join(FORBIDDEN)}); only " \
+                      f"edgeflux.tracking may import mlflow:\n" + "\n".join(found)
+
+
+def test_the_walk_sees_lazy_package_and_submodule_imports(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    files = {
+        "__init__.py": "",
+        "a.py": "def f():\n    from pkg.sub import c\n",                  # lazy; runs pkg.sub's __init__
+        "b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.a\n",
+        "sub/__init__.py": "from . import c\n",
+        "sub/c.py": "from .. import a\nimport pkg.sub.d\nimport prefect.flows\n",
+        "sub/d.py": "from pkg.sub import c\n",             # c is a module, and d is inside pkg.sub already
+    }
+    for rel, text in files.items():
+        (pkg / rel).write_text(text)
+    graph = import_graph(pkg)
+    assert graph.edges["pkg.a"] == {"pkg.sub", "pkg.sub.c"}
+    assert graph.edges["pkg.b"] == set()
+    assert graph.edges["pkg.sub.c"] == {"pkg.a", "pkg.sub.d"}
+    assert graph.edges["pkg.sub.d"] == {"pkg.sub.c"}
+    assert sorted(" -> ".join(c) for c in find_cycles(graph.edges)) == [
+        "pkg.a -> pkg.sub -> pkg.sub.c -> pkg.a", "pkg.sub.c -> pkg.sub.d -> pkg.sub.c"]
+    assert forbidden_imports(graph) == ["pkg.sub.c imports prefect.flows"]
