@@ -155,3 +155,56 @@ def test_neuroflux_blocks_measure_the_step_that_trains(monkeypatch, mnist_subset
     on_learners = sum(m.learners[0] is learners[0] for m in calls)
     assert run.blocks[0].steps == 4 and on_learners == 4
     assert len(calls) - on_learners == 2      # the planned batch fits: one warm-up and one measured step
+
+
+def _loop_on(model, train, epochs=1, batch=64, before_step=None):
+    """train_loop over a TrainStep on `model`, its batches seeded by epoch, one evaluation per epoch."""
+    import math
+
+    from edgeflux.data import batches
+    from edgeflux.step import TrainStep
+    from edgeflux.train import optimizer_factory, train_loop
+
+    step = TrainStep.factory(optimizer_factory(OPTS))(model)
+    return train_loop(step, lambda epoch: batches(*train, batch, shuffle=True, seed=epoch), epochs=epochs,
+                      steps_per_epoch=math.ceil(len(train[1]) / batch), evals_per_epoch=1,
+                      evaluate=lambda: {"val_acc": evaluate(model, *train)}, seed=0, before_step=before_step)
+
+
+def test_a_frozen_batchnorm_stays_frozen_through_training_and_evaluation(mnist_subset):
+    """A method that freezes BatchNorm (statistics and affine) keeps it so: the loop trains in train_mode,
+    not model.train(), and evaluation restores every submodule's own mode."""
+    from edgeflux.models.units import freeze
+
+    model = small_model(mnist_subset)
+    bn = next(m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d))
+    freeze(bn)
+    stats = [t.clone() for t in (bn.running_mean, bn.running_var, bn.weight, bn.bias)]
+    modes = []
+    result = _loop_on(model, tensors(mnist_subset, "train", limit=256),
+                      before_step=lambda _: modes.append((bn.training, model.training)))
+    assert result.steps == 4 and modes == [(False, True)] * 4
+    assert all(torch.equal(a, b) for a, b in zip(stats, (bn.running_mean, bn.running_var, bn.weight, bn.bias)))
+    assert not bn.training and model.training
+
+
+def test_before_step_can_change_what_trains_at_run_time(mnist_subset):
+    """The per-step hook a run-time selection method uses: after the first step only the classifier
+    trains; the optimizer holds every parameter and skips those without a gradient."""
+    model = small_model(mnist_subset)
+    head = model.units[-1]
+    body = [p for u in model.units[:-1] for p in u.parameters()]
+
+    def select(result):
+        if result.steps == 1:
+            for p in body:
+                p.requires_grad_(False)
+
+    snapshot = {}
+    result = _loop_on(model, tensors(mnist_subset, "train", limit=256),
+                      before_step=lambda r: (select(r), snapshot.setdefault(r.steps, [p.clone() for p in body])))
+    after = [p.detach() for p in body]
+    assert result.steps == 4
+    assert not all(torch.equal(a, b) for a, b in zip(snapshot[0], snapshot[1]))    # step 1 trained the body
+    assert all(torch.equal(a, b) for a, b in zip(snapshot[1], after))              # later steps did not
+    assert all(p.requires_grad for p in head.parameters())
