@@ -1,6 +1,7 @@
-"""edgeflux.memory: exact byte counts against formulas and against PyTorch's own MemTracker."""
+"""edgeflux.memory: exact byte counts against formulas, PyTorch's own MemTracker and the CPU allocator's events."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import sys
 
@@ -170,7 +171,7 @@ def test_measure_step_categories_match_formulas(make_opt, states_per_param):
     param_bytes = sum(p.numel() for p in params) * F32
     # SGD: one momentum buffer per parameter; Adam: exp_avg and exp_avg_sq plus a float32 step counter.
     opt_bytes = states_per_param * param_bytes + (len(params) * F32 if states_per_param == 2 else 0)
-    assert mem.method == "cpu_live_tensors"
+    assert mem.method == "cpu_allocator"
     assert mem.param_bytes == param_bytes
     assert mem.grad_bytes == param_bytes                  # tiny batch: the peak comes after all gradients exist
     assert mem.optimizer_bytes == opt_bytes
@@ -183,8 +184,9 @@ def test_measure_step_categories_match_formulas(make_opt, states_per_param):
     assert mem.saved_bytes == 2 * (64 + 256 + 10) * F32 + 2 * 8 + F32
 
 
-def test_measure_step_agrees_with_pytorch_memtracker():
-    """An independent reconstruction: PyTorch's own tracker must see the same peak and categories."""
+def test_live_tensor_tracker_agrees_with_pytorch_memtracker():
+    """An independent reconstruction of the live-tensor count: PyTorch's own tracker must see the same
+    peak and categories. The step's measured figure (the allocator's) is at least that: scratch adds to it."""
     mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
     model = small_cnn()
     opt = sgd_momentum(model.parameters())
@@ -192,17 +194,22 @@ def test_measure_step_agrees_with_pytorch_memtracker():
     step = training_step_fn(model, opt, x, y)
     step()
     ours = measure_step(step, model=model, optimizer=opt, inputs=(x, y))
+    state = [*model.parameters(), *model.buffers(), x, y, *(v for s in opt.state.values() for v in s.values())]
+    opt.zero_grad(set_to_none=True)
+    with track_live_tensors(seed=state) as live:
+        step()
 
     tracker = mem_tracker.MemTracker()
     tracker.track_external(model, opt, x, y)
+    opt.zero_grad(set_to_none=True)
     with tracker:
         step()
     (theirs,) = tracker.get_tracker_snapshot("peak").values()
     kinds = {str(k.value) if hasattr(k, "value") else k: v for k, v in theirs.items()}
-    assert ours.peak_bytes == kinds["Total"]
+    assert live.peak_bytes == kinds["Total"]
+    assert ours.peak_bytes >= live.peak_bytes
     assert ours.param_bytes == kinds["Parameter"]
     assert ours.buffer_bytes == kinds["Buffer"]
-    assert ours.grad_bytes == kinds["Gradient"]
     assert ours.optimizer_bytes == kinds["Optstate"]
 
 
@@ -461,3 +468,54 @@ def test_saved_bytes_by_node_add_up_to_the_hook_count(name):
         for h in hooks:
             h.remove()
         assert by["HardtanhBackward0"] == sum(relu6_outputs)
+
+
+# ----------------------------------------------------------------------------- the allocator's real peak
+
+def _allocator_reference(model, make_opt, x, y) -> int:
+    """The plain training step's real CPU peak, read independently of edgeflux.memory: the profiler's flat
+    list of the allocator's `[memory]` reports (their sizes as the allocator reports them, no pairing by
+    pointer), its running sum in time order, above what exists before the step (parameters, buffers,
+    optimizer state, the batch: gradients are dropped first, as the step does)."""
+    net = copy.deepcopy(model).train()
+    opt = make_opt(net.parameters())
+    step = training_step_fn(net, opt, x, y)
+    step()                                                         # warm-up: optimizer state exists
+    opt.zero_grad(set_to_none=True)
+    before = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+              for t in [*net.parameters(), *net.buffers(), x, y,
+                        *(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v))]}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    rows = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                  key=lambda e: e.start_ns())
+    running = peak = 0
+    for e in rows:
+        running += e.nbytes()
+        peak = max(peak, running)
+    return sum(before.values()) + peak
+
+
+@pytest.mark.parametrize("name, width, batch", [("vgg16", 0.25, 8), ("resnet18", 0.25, 32), ("mobilenet_v2", 0.5, 8)])
+def test_measured_peak_is_the_allocators_real_peak_of_the_plain_step(name, width, batch):
+    """A budget is a promise: the figure it is held against is >= the allocator's real peak of the plain
+    training step, and within 1% of it. The live-tensor count misses the scratch kernels allocate inside
+    one op (VGG-16's convolution_backward column buffer: its figure is below the real peak there)."""
+    from edgeflux.models import build_model
+
+    model = build_model(name, num_classes=10, in_channels=1, width=width, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, 1, 32, 32, generator=gen), torch.randint(0, 10, (batch,), generator=gen)
+    measured = measure_training_peak(model, sgd_momentum, (1, 32, 32), 10, batch, data=(x, y)).peak_bytes
+    real = _allocator_reference(model, sgd_momentum, x, y)
+    assert real <= measured <= 1.01 * real, (measured, real)
+    if name == "vgg16":   # why the figure is the allocator's: live tensors alone are below the real peak
+        net = copy.deepcopy(model).train()
+        opt = sgd_momentum(net.parameters())
+        step = training_step_fn(net, opt, x, y)
+        step()
+        opt.zero_grad(set_to_none=True)
+        state = [*net.parameters(), *net.buffers(), x, y, *(v for s in opt.state.values() for v in s.values())]
+        with track_live_tensors(seed=state) as tracker:
+            step()
+        assert tracker.peak_bytes < real

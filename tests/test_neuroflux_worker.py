@@ -297,13 +297,18 @@ def test_weights_that_do_not_match_their_record_are_retrained_not_reused(uninter
 
 
 def test_classic_local_learning_recomputes_inputs_and_matches_the_cached_run(trained, mnist_subset, tmp_path):
-    """Without a cache each block runs the trained units before it on every batch; same inputs, same learning."""
+    """Without a cache each block runs the trained units before it on every batch; same inputs, same learning.
+    That recomputation costs memory inside the step: the trained units' weights and their forward (no budget
+    here, so that both runs train at the planned batches; at the cached run's budget the last block's step
+    no longer fits its batch)."""
     _, cached_learners, blocks, cached = trained
     _, learners = build_learners(SPEC, AUX)
     result = train_blocks(learners, blocks, splits(mnist_subset), opts(), workdir=tmp_path / "cache",
-                          budget_bytes=8_000_000, cache=CacheOptions(shard_samples=100), use_cache=False)
+                          budget_bytes=None, cache=CacheOptions(shard_samples=100), use_cache=False)
     assert not any((tmp_path / "cache" / f"block{b.index}" / "train").exists() for b in blocks)
     assert [b.batch_size for b in result.blocks] == [b.batch_size for b in cached.blocks]
+    classic, with_cache = [b.peak_bytes for b in result.blocks], [b.peak_bytes for b in cached.blocks]
+    assert classic[0] == with_cache[0] and all(c > k for c, k in zip(classic[1:], with_cache[1:]))
     for a, b in zip(learners, cached_learners):
         for pa, pb in zip(a.parameters(), b.parameters()):
             assert torch.equal(pa, pb)   # the cache holds exactly what the trained units compute

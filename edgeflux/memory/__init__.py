@@ -6,11 +6,14 @@
 
 What is measured, and how (one module per job):
 
-* ``step``: the peak of one step. CUDA: the caching allocator's own counter,
-  ``torch.cuda.max_memory_allocated`` after ``torch.cuda.reset_peak_memory_stats``. CPU: the exact
-  peak of live tensor bytes during the step (``tracker``). Tensors that exist before the step
-  (parameters, buffers, gradients, optimizer state, the batch) count from the start.
+* ``step``: the peak of one step, from the allocator that serves it, so that scratch a kernel
+  allocates inside one op counts too. CUDA: the caching allocator's own counter,
+  ``torch.cuda.max_memory_allocated`` after ``torch.cuda.reset_peak_memory_stats``. CPU: the CPU
+  allocator's events over the plain step (``allocator``). Tensors that exist before the step
+  (parameters, buffers, optimizer state, the batch) count from the start.
   ``measure_training_step`` measures the step a trainer runs (built by the same factory) on a copy.
+* ``tracker``: the exact peak of live tensor bytes in any code (a ``TorchDispatchMode``), e.g. what a
+  bitmap holds; not the training step's figure (it misses scratch, and a dispatch mode changes the step).
 * ``saved``: bytes saved for backward, counted in ``torch.autograd.graph.saved_tensors_hooks``,
   deduplicated by storage (a ReLU output that the next conv also saves counts once), parameters and
   buffers excluded (their memory exists anyway), attributed to the unit whose forward is running.

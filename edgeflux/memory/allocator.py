@@ -20,6 +20,7 @@ table can report the free of an older block at a reused address: pairing by poin
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,10 @@ from typing import Any
 import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
+
+# Kineto, under the profiler, prints two lines per session and a GPU probe error on CPU-only machines;
+# a step measured per batch size would fill a stage's log. Read when the profiler first starts.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 
 @dataclass

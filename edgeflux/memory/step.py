@@ -1,4 +1,13 @@
 """Measuring one training step: the figure a memory budget is held against.
+
+The figure must not be below the real peak of the step that trains, scratch inside ops included, so it
+is read from the allocator that serves the step: on CUDA the caching allocator's own counter
+(``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``), on CPU the allocator's events
+over the plain step (``edgeflux.memory.allocator``) above what exists before it (parameters, buffers,
+optimizer state, the batch). Gradients from an earlier step are dropped first, as every edgeflux step
+does at its start (``zero_grad(set_to_none=True)``): the CPU allocator does not report freeing memory
+allocated before it was observed. ``measure_training_step`` measures the step a trainer runs, built by
+the same factory, on a copy of the model.
 """
 from __future__ import annotations
 
@@ -17,8 +26,9 @@ from edgeflux.models.units import train_mode
 from edgeflux.step import StepContext, StepFactory, TrainStep
 
 from .process import RssSampler, uss_bytes
+from .allocator import alive_at_peak_and_end, allocator_events, data_pointers, peak_of
 from .saved import count_saved_tensors
-from .tracker import LiveTensorTracker, storage_of as _storage, track_live_tensors
+from .tracker import storage_of as _storage
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +37,8 @@ log = logging.getLogger(__name__)
 class StepMemory:
     """Memory of one training step. peak_bytes is measured; rss/uss are a process-level cross-check."""
     device: str
-    method: str                      # "cuda_allocator" | "cpu_live_tensors"
-    peak_bytes: int                  # measured peak of live tensor bytes (CUDA: max_memory_allocated)
+    method: str                      # "cuda_allocator" | "cpu_allocator"
+    peak_bytes: int                  # the allocator's peak over the step, scratch inside ops included
     param_bytes: int                 # the categories below: alive at the peak (CPU) / after the step (CUDA)
     grad_bytes: int
     optimizer_bytes: int
@@ -70,33 +80,6 @@ def _parameters(model: nn.Module | None, optimizer: torch.optim.Optimizer | None
     return list({id(p): p for p in params}.values())
 
 
-def _seed(tracker: LiveTensorTracker, params: list[Tensor], buffers: list[Tensor],
-          optimizer: torch.optim.Optimizer | None, inputs: Sequence[Tensor]) -> None:
-    # A function of its own so that no reference to a seeded tensor (e.g. last step's
-    # gradient, which the step frees) outlives it.
-    for p in params:
-        tracker.track(p, "param")
-    for b in buffers:
-        tracker.track(b, "buffer")
-    for p in params:
-        if p.grad is not None:
-            tracker.track(p.grad, "grad")
-    for t in _tensors_of_state(optimizer):
-        tracker.track(t, "optimizer")
-    for t in inputs:
-        tracker.track(t, "input")
-
-
-def _label_after_step(tracker: LiveTensorTracker, params: list[Tensor],
-                      optimizer: torch.optim.Optimizer | None) -> None:
-    # Gradients and optimizer state created during the step are only known once it is done.
-    for p in params:
-        if p.grad is not None:
-            tracker.label(p.grad, "grad")
-    for t in _tensors_of_state(optimizer):
-        tracker.label(t, "optimizer")
-
-
 def measure_step(step: Callable[[], Any], *, model: nn.Module | None = None, optimizer=None,
                  inputs: Sequence[Tensor] = (), units: Sequence[tuple[str, nn.Module]] | None = None,
                  device: str | torch.device = "cpu", process_stats: bool = True) -> StepMemory:
@@ -117,17 +100,16 @@ def measure_step(step: Callable[[], Any], *, model: nn.Module | None = None, opt
     params = _parameters(model, optimizer)
     buffers = list(model.buffers()) if model is not None else []
 
+    if device.type == "cpu":
+        for p in params:      # what the step's zero_grad(set_to_none=True) frees first (see module docstring)
+            p.grad = None
     with _collector_paused(full=device.type == "cuda"), \
             (RssSampler() if process_stats else nullcontext()) as rss, \
             count_saved_tensors(units, params + buffers) as saved:
         if device.type == "cuda":
             peak, at_peak = _cuda_peak(step, device), None
         else:
-            with track_live_tensors() as tracker:
-                _seed(tracker, params, buffers, optimizer, inputs)
-                step()
-                _label_after_step(tracker, params, optimizer)
-            peak, at_peak = tracker.peak_bytes, tracker.bytes_at_peak()
+            peak, at_peak = _cpu_allocator_peak(step, params, buffers, optimizer, inputs)
 
     if at_peak is None:   # CUDA: the persistent tensors as they are after the step
         at_peak = {"param": _unique_bytes(params), "buffer": _unique_bytes(buffers),
@@ -136,7 +118,7 @@ def measure_step(step: Callable[[], Any], *, model: nn.Module | None = None, opt
     known = {k: at_peak.get(k, 0) for k in ("param", "buffer", "grad", "optimizer")}
     return StepMemory(
         device=str(device),
-        method="cuda_allocator" if device.type == "cuda" else "cpu_live_tensors",
+        method="cuda_allocator" if device.type == "cuda" else "cpu_allocator",
         peak_bytes=int(peak),
         param_bytes=known["param"], grad_bytes=known["grad"], optimizer_bytes=known["optimizer"],
         activation_bytes=int(peak) - sum(known.values()),
@@ -144,6 +126,28 @@ def measure_step(step: Callable[[], Any], *, model: nn.Module | None = None, opt
         rss_peak_bytes=rss.peak if process_stats else None, uss_bytes=uss_bytes() if process_stats else None,
         buffer_bytes=known["buffer"],
     )
+
+
+def _cpu_allocator_peak(step: Callable[[], Any], params: list[Tensor], buffers: list[Tensor],
+                        optimizer: torch.optim.Optimizer | None, inputs: Sequence[Tensor]) -> tuple[int, dict[str, int]]:
+    """The CPU allocator's peak over step(): what exists before it (by storage, each counted once) plus the
+    most the step's own allocations reach (edgeflux.memory.allocator), and the bytes per category at that moment."""
+    before: dict[int, tuple[str, int]] = {}
+    for label, tensors in (("param", params), ("buffer", buffers), ("optimizer", _tensors_of_state(optimizer)),
+                           ("input", inputs)):
+        for t in tensors:
+            st = _storage(t)
+            if st is not None and st.nbytes():
+                before.setdefault(st.data_ptr(), (label, st.nbytes()))
+    result = peak_of(allocator_events(step))
+    at_peak: dict[str, int] = {}
+    for label, nbytes in before.values():
+        at_peak[label] = at_peak.get(label, 0) + nbytes
+    # made during the step and alive from the peak to its end: the gradients (and state a first step creates)
+    for label, tensors in (("grad", [p.grad for p in params if p.grad is not None]),
+                           ("optimizer", list(_tensors_of_state(optimizer)))):
+        at_peak[label] = at_peak.get(label, 0) + alive_at_peak_and_end(result, data_pointers(tensors) - before.keys())
+    return sum(nbytes for _, nbytes in before.values()) + result.peak_bytes, at_peak
 
 
 @contextmanager

@@ -1,0 +1,79 @@
+"""Compare the pipeline's committed outputs at two git revisions: what changed besides wall-clock figures.
+
+    python bench/compare_outputs.py REV_A REV_B            # every JSON value that differs
+    python bench/compare_outputs.py REV_A REV_B --peaks    # every measured peak side by side (markdown)
+
+Reads metrics/*.json, memory/*.json, profile/memory.json and partition/blocks.json with `git show`, so
+two `dvc repro` runs committed one after the other can be compared without checking either out. Times,
+throughputs and process RSS/USS are left out: they move from run to run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+
+FILES = ("metrics/pretrain.json", "metrics/train_bp.json", "metrics/profile.json", "metrics/partition.json",
+         "metrics/train_blocks.json", "metrics/select_exit.json", "memory/train_bp.json", "profile/memory.json",
+         "partition/blocks.json")
+TIMING = ("time_s", "seconds", "overhead", "throughput", "rss", "uss", "speedup")
+
+
+def read(rev: str, path: str) -> dict:
+    return json.loads(subprocess.run(["git", "show", f"{rev}:{path}"], check=True, capture_output=True, text=True).stdout)
+
+
+def leaves(x, path: str = ""):
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from leaves(v, f"{path}.{k}" if path else k)
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            yield from leaves(v, f"{path}[{i}]")
+    else:
+        yield path, x
+
+
+def differences(a: str, b: str) -> None:
+    same = diff = 0
+    for path in FILES:
+        la, lb = dict(leaves(read(a, path))), dict(leaves(read(b, path)))
+        for key in sorted(set(la) | set(lb)):
+            if any(t in key.lower() for t in TIMING):
+                continue
+            if la.get(key) == lb.get(key):
+                same += 1
+            else:
+                diff += 1
+                print(f"{path}: {key}: {la.get(key, '(absent)')} -> {lb.get(key, '(absent)')}")
+    print(f"{same} values equal, {diff} differ (wall-clock figures left out)")
+
+
+def peaks(a: str, b: str) -> None:
+    rows = []
+    for ua, ub in zip(read(a, "profile/memory.json")["units"], read(b, "profile/memory.json")["units"]):
+        rows += [("profile", f"unit {ua['index']} {ua['name']}", n, x, y)
+                 for n, x, y in zip(ua["batches"], ua["peak_bytes"], ub["peak_bytes"])]
+    fa, fb = (dict(map(tuple, read(r, "memory/train_bp.json")["batch_fit"]["measurements"])) for r in (a, b))
+    rows += [("train_bp", "measured batch", n, fa[n], fb[n]) for n in sorted(set(fa) & set(fb))]
+    pa, pb = read(a, "metrics/pretrain.json"), read(b, "metrics/pretrain.json")
+    rows += [("pretrain", key, pa[key]["batch_size"], pa[key]["peak_mem_bytes"], pb[key]["peak_mem_bytes"]) for key in pa]
+    print(f"| stage | what | batch | {a} | {b} | change |\n|---|---|---|---|---|---|")
+    for stage, what, n, x, y in rows:
+        print(f"| {stage} | {what} | {n} | {x:,} | {y:,} | {100 * (y / x - 1):+.2f}% |")
+    change = [100 * (y / x - 1) for *_, x, y in rows]
+    print(f"\n{len(rows)} peaks measured at the same batch in both: {min(change):+.2f}% to {max(change):+.2f}%, "
+          f"{sum(c < 0 for c in change)} lower, {sum(c == 0 for c in change)} equal")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("a", help="the earlier revision (e.g. a commit id)")
+    parser.add_argument("b", help="the later revision (e.g. HEAD)")
+    parser.add_argument("--peaks", action="store_true", help="the measured peaks side by side instead of every change")
+    args = parser.parse_args()
+    (peaks if args.peaks else differences)(args.a, args.b)
+
+
+if __name__ == "__main__":
+    main()
