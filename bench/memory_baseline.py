@@ -2,9 +2,11 @@
 
 One SGD-momentum training step in steady state (the momentum buffers exist), on 1x32x32
 inputs with 10 classes (the Fashion-MNIST shape), narrow (width 0.25) and full width (1.0).
-The peak is measured (CPU: exact peak of live tensor bytes; CUDA: max_memory_allocated) and
-split into parameters, gradients, optimizer state, buffers and activations (everything else:
-saved activations, temporaries, the batch), beside the bytes saved for backward. A least-squares
+The peak is measured (the allocator's: CPU, the CPU allocator's events over the step; CUDA,
+max_memory_allocated) and split into parameters, gradients, optimizer state, buffers and activations
+(everything else: saved activations, temporaries, the batch), beside the bytes saved for backward
+and, on CPU, the peak of live tensor bytes of the same step (what a tensor-level count sees: the
+difference is scratch that kernels allocate and free inside one op). A least-squares
 line over the batch sizes (an estimate, labelled so) shows what NeuroFlux builds on: memory is
 linear in the batch size and, beyond small batches, activations dominate.
 
@@ -22,11 +24,14 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import copy  # noqa: E402
+
 import torch  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 
 from bench.common import BenchResult, bench_argparser  # noqa: E402
-from edgeflux.memory import MiB, fit_linear, measure_training_peak, saved_bytes_by_node  # noqa: E402
+from edgeflux.memory import (MiB, fit_linear, measure_training_peak, saved_bytes_by_node,  # noqa: E402
+                             track_live_tensors, training_step_fn)
 from edgeflux.models import build_model  # noqa: E402
 
 NAME = "memory_baseline"
@@ -49,7 +54,7 @@ def parse_args(argv=None):
     parser.add_argument("--batches", nargs="+", type=int, default=None, metavar="B",
                         help="batch sizes (default: 1 8 16 32 64; --quick: 1 4 8 16)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                        help="where to measure: cuda uses the CUDA allocator's peak, cpu the exact live-tensor "
+                        help="where to measure: cuda uses the CUDA allocator's peak, cpu the CPU allocator's "
                              "peak; auto picks cuda when it is available (default: auto)")
     args = parser.parse_args(argv)
     preset = QUICK if args.quick else FULL
@@ -67,6 +72,20 @@ def parse_args(argv=None):
     return args
 
 
+def live_tensor_peak(model, x, y) -> int:
+    """The exact peak of live tensor bytes over the same steady-state step (edgeflux.memory.track_live_tensors):
+    what a tensor-level count sees, without the scratch kernels allocate inside one op."""
+    net = copy.deepcopy(model).train()
+    opt = sgd_momentum(net.parameters())
+    step = training_step_fn(net, opt, x, y)
+    step()
+    opt.zero_grad(set_to_none=True)
+    state = [*net.parameters(), *net.buffers(), x, y, *(v for s in opt.state.values() for v in s.values())]
+    with track_live_tensors(seed=state) as tracker:
+        step()
+    return tracker.peak_bytes
+
+
 def measure_all(args) -> list[dict]:
     configs = [(m, w) for m in args.models for w in args.widths]
     rows = []
@@ -78,8 +97,14 @@ def measure_all(args) -> list[dict]:
                                 image_size=SAMPLE_SHAPE[1])
             for batch in args.batches:
                 progress.update(task, description=f"{name} width {width:g} batch {batch}")
-                mem = measure_training_peak(model, sgd_momentum, SAMPLE_SHAPE, NUM_CLASSES, batch, device=args.device)
-                rows.append({"model": name, "width": width, "batch": batch, **mem.to_dict()})
+                gen = torch.Generator().manual_seed(batch)
+                x = torch.randn(batch, *SAMPLE_SHAPE, generator=gen)
+                y = torch.randint(0, NUM_CLASSES, (batch,), generator=gen)
+                mem = measure_training_peak(model, sgd_momentum, SAMPLE_SHAPE, NUM_CLASSES, batch, device=args.device,
+                                            data=(x, y))
+                live = live_tensor_peak(model, x, y) if args.device == "cpu" else None
+                rows.append({"model": name, "width": width, "batch": batch, **mem.to_dict(),
+                             "live_tensor_peak_bytes": live})
                 progress.advance(task)
     return rows
 
@@ -162,6 +187,9 @@ def main(argv=None) -> None:
                 "params": mib(r["param_bytes"]), "grads": mib(r["grad_bytes"]), "opt": mib(r["optimizer_bytes"]),
                 "buffers": mib(r["buffer_bytes"]), "acts": mib(r["activation_bytes"]), "saved": mib(r["saved_bytes"]),
                 "act_share": f"{100 * r['activation_bytes'] / r['peak_bytes']:.1f}%",
+                "live": mib(r["live_tensor_peak_bytes"]) if r["live_tensor_peak_bytes"] else "n/a",
+                "scratch": f"{100 * (r['peak_bytes'] / r['live_tensor_peak_bytes'] - 1):+.2f}%"
+                if r["live_tensor_peak_bytes"] else "n/a",
                 "rss": mib(r["rss_peak_bytes"]) if r["rss_peak_bytes"] else "n/a"} for r in rows]
     result.add_section("Linear fit per model: peak = slope × batch + intercept (estimate over the measured points)", [
         {"model": f["model"], "width": f"{f['width']:g}", "slope": f"{f['slope_bytes_per_sample'] / 1024:.1f}",
@@ -177,19 +205,22 @@ def main(argv=None) -> None:
          "share": "share of saved bytes"})
 
     method = "CUDA allocator peak (torch.cuda.max_memory_allocated)" if args.device == "cuda" else \
-        "exact peak of live tensor bytes (edgeflux.memory, TorchDispatchMode tracker)"
+        "the CPU allocator's peak over the plain step (edgeflux.memory: the allocator's events through torch.profiler)"
     notes = f"""All sizes in MiB (2^20 bytes). Peak: {method}, one SGD-momentum (0.9) training step in steady state
 (after one warm-up step), random inputs of shape [batch, {', '.join(map(str, SAMPLE_SHAPE))}], {NUM_CLASSES} classes.
 params/grads/opt/buffers: bytes of those tensors alive at the moment of the peak (gradients can be partial when the
 peak falls inside backward); acts = peak − params − grads − opt − buffers (saved activations, temporaries, the batch).
-saved: bytes saved for backward (deduplicated by storage, parameters and buffers excluded). By autograd node: the same
+saved: bytes saved for backward (deduplicated by storage, parameters and buffers excluded). live: the exact peak of
+live tensor bytes over the same step (edgeflux.memory.track_live_tensors, CPU only); peak vs live: how far the
+allocator's peak is above it (scratch that kernels allocate and free inside one op, e.g. convolution_backward). By autograd node: the same
 bytes read from the graph of one forward (edgeflux.memory.saved_bytes_by_node; a tensor several nodes save counts
 once, for the node nearest the loss); HardtanhBackward0 holds the input copies MobileNetV2's in-place ReLU6 saves.
 rss: process peak RSS during the step (1 ms sampling), a cross-check of the whole process (interpreter, libraries,
 allocator caches), not the exact figure. Plot: {NAME}.png."""
     columns = {"model": "model", "width": "width", "batch": "batch", "peak": "peak", "params": "params",
                "grads": "grads", "opt": "opt", "buffers": "buffers", "acts": "acts", "saved": "saved",
-               "act_share": "acts/peak", "rss": "rss (cross-check)"}
+               "act_share": "acts/peak", "live": "live tensors", "scratch": "peak vs live",
+               "rss": "rss (cross-check)"}
     settings = {"device": args.device, "models": args.models, "widths": args.widths, "batches": args.batches,
                 "optimizer": "SGD(lr=0.01, momentum=0.9)", "sample_shape": SAMPLE_SHAPE, "num_classes": NUM_CLASSES}
     json_path, md_path = result.write(NAME, args.out, title="Measured peak training memory vs batch size",
