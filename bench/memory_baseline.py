@@ -24,14 +24,12 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-import copy  # noqa: E402
-
 import torch  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 
 from bench.common import BenchResult, bench_argparser  # noqa: E402
-from edgeflux.memory import (MiB, fit_linear, measure_training_peak, saved_bytes_by_node,  # noqa: E402
-                             track_live_tensors, training_step_fn)
+from edgeflux.memory import (MiB, TrainStep, fit_linear, live_tensor_peak, measure_training_peak,  # noqa: E402
+                             saved_bytes_by_node)
 from edgeflux.models import build_model  # noqa: E402
 
 NAME = "memory_baseline"
@@ -72,20 +70,6 @@ def parse_args(argv=None):
     return args
 
 
-def live_tensor_peak(model, x, y) -> int:
-    """The exact peak of live tensor bytes over the same steady-state step (edgeflux.memory.track_live_tensors):
-    what a tensor-level count sees, without the scratch kernels allocate inside one op."""
-    net = copy.deepcopy(model).train()
-    opt = sgd_momentum(net.parameters())
-    step = training_step_fn(net, opt, x, y)
-    step()
-    opt.zero_grad(set_to_none=True)
-    state = [*net.parameters(), *net.buffers(), x, y, *(v for s in opt.state.values() for v in s.values())]
-    with track_live_tensors(seed=state) as tracker:
-        step()
-    return tracker.peak_bytes
-
-
 def measure_all(args) -> list[dict]:
     configs = [(m, w) for m in args.models for w in args.widths]
     rows = []
@@ -102,7 +86,8 @@ def measure_all(args) -> list[dict]:
                 y = torch.randint(0, NUM_CLASSES, (batch,), generator=gen)
                 mem = measure_training_peak(model, sgd_momentum, SAMPLE_SHAPE, NUM_CLASSES, batch, device=args.device,
                                             data=(x, y))
-                live = live_tensor_peak(model, x, y) if args.device == "cpu" else None
+                live = (live_tensor_peak(model, TrainStep.factory(sgd_momentum), (x, y), (x, y))
+                        if args.device == "cpu" else None)
                 rows.append({"model": name, "width": width, "batch": batch, **mem.to_dict(),
                              "live_tensor_peak_bytes": live})
                 progress.advance(task)

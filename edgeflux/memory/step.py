@@ -28,7 +28,7 @@ from edgeflux.step import StepContext, StepFactory, TrainStep
 from .process import RssSampler, uss_bytes
 from .allocator import alive_at_peak_and_end, allocator_events, data_pointers, peak_of
 from .saved import count_saved_tensors
-from .tracker import storage_of as _storage
+from .tracker import storage_of as _storage, track_live_tensors
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +203,22 @@ def measure_training_step(model: nn.Module, make_step: StepFactory, warmup: tupl
     if (stored := step.activation_storage()) is not None:
         memory.set_stored(*stored)
     return memory
+
+
+def live_tensor_peak(model: nn.Module, make_step: StepFactory, warmup: tuple[Tensor, Tensor],
+                     batch: tuple[Tensor, Tensor]) -> int:
+    """The exact peak of live tensor bytes (track_live_tensors) over the steady-state step that
+    measure_training_step measures, on CPU: what a tensor-level count sees, without the scratch kernels
+    allocate inside one op. For comparison only: a budget is held against the allocator's figure."""
+    net = train_mode(copy.deepcopy(model))
+    step = make_step(net)
+    step(*warmup)
+    for p in net.parameters():
+        p.grad = None
+    state = [*net.parameters(), *net.buffers(), *batch, *_tensors_of_state(step.optimizer)]
+    with track_live_tensors(seed=state) as tracker:
+        step(*batch)
+    return tracker.peak_bytes
 
 
 def measure_training_peak(model: nn.Module, optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
