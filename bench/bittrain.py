@@ -214,7 +214,7 @@ def model_rows(key: str, width: float, batch: int, reps: int, data, variants: li
         fwd = forward_live_bytes(model, x, y, VARIANTS[v])
         rows[v] = {"case": f"{key} w{width:g} b{batch} {v}", "part": "train", "model": key, "width": width,
                    "batch": batch, "variant": v, "peak_bytes": mem.peak_bytes,
-                   # (the hooks-only row's own hooks are innermost: memory.py's saved-tensor count sees nothing)
+                   # (the hooks-only row's own hooks are innermost: edgeflux.memory's saved-tensor count sees nothing)
                    "saved_bytes_measured": None if VARIANTS[v].hooks_only else mem.saved_bytes,
                    "forward_live_bytes": fwd,
                    "dense_bytes": s["dense_bytes"] if s else None, "achieved_bytes": s["stored_bytes"] if s else None,
@@ -457,12 +457,13 @@ def main(argv=None) -> None:
     verdict = {True: "met", False: "MISSED", None: "reported"}
     result.add_section("Targets", [{**t, "met": verdict[t["met"]]} for t in tg])
     notes = """
-Peak: measured peak of live tensor bytes of one steady-state SGD-momentum training step (edgeflux.memory, CPU:
-exact TorchDispatchMode tracker), real Fashion-MNIST images (activation sparsity is that of real data); it
-includes parameters, gradients and momentum. fwd live: measured bytes the forward leaves alive for backward
-(saved activations, indices, logits), i.e. the activation footprint the paper reports, measured.
+Peak: measured peak of one steady-state SGD-momentum training step (edgeflux.memory: the CPU allocator's events
+over the step, scratch inside ops included), real Fashion-MNIST images (activation sparsity is that of real data);
+it includes parameters, gradients and momentum. fwd live: live tensor bytes the forward leaves alive for backward
+(saved activations, indices, logits; the exact TorchDispatchMode tracker), i.e. the activation footprint the paper
+reports, measured.
 saved (dense): bytes of the floating-point activations autograd saves (BitTrain's accounting, deduplicated;
-for the dense row memory.py's count, which also includes int64 max-pool indices). stored: what BitTrain holds
+for the dense row edgeflux.memory's saved-tensor count, which also includes int64 max-pool indices). stored: what BitTrain holds
 instead; theoretical: the paper's 4·nnz + n/8 summed over the same tensors. Step-time ratio: from
 interleaved repetitions in this run (fastest of each: less disturbed by other processes; the JSON also
 has the median ratio), each variant on its own copy of the model. double_mask on BN models in

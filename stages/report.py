@@ -49,8 +49,8 @@ def main(args, params) -> None:
         SUMMARY.write_text("# edgeflux pipeline summary\n\n" + markdown_table(rows)
                            + f"\n'to target s': training time until validation accuracy first reached "
                              f"{params.report.target_acc:.0%}. "
-                             "Peaks are measured (live tensor bytes of a steady-state training step on CPU; "
-                             "the CUDA allocator's peak on GPU).\n")
+                             "Peaks are measured: the allocator's peak over a steady-state training step "
+                             "(the CPU allocator's events on CPU, the CUDA allocator's counter on GPU).\n")
         plot_accuracy_vs_time(CURVES, PLOT, target_acc=params.report.target_acc)
         if panels := memory_panels(**read_existing(MEMORY_SOURCES)):
             plot_bar_panels(panels, MEMORY_PLOT, title="edgeflux pipeline: measured training memory")
