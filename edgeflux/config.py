@@ -11,6 +11,7 @@ A bare number is refused, because ``300`` could mean bytes or megabytes.
 """
 from __future__ import annotations
 
+import difflib
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -112,7 +113,11 @@ def _format_error(err: dict, where: str, raw: dict) -> str:
     got = err.get("input")
     if err["type"] == "extra_forbidden":
         allowed = _allowed_keys(loc[:-1])
-        return f"{where}: {key} = {got!r}: unknown key; allowed keys in {'.'.join(loc[:-1]) or 'params.yaml'}: {', '.join(allowed)}"
+        shown = "a section" if isinstance(got, dict) else "a list" if isinstance(got, list) else repr(got)
+        close = difflib.get_close_matches(loc[-1], allowed, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        return (f"{where}: {key} = {shown}: unknown key{hint}; allowed keys in {'.'.join(loc[:-1]) or 'params.yaml'}: "
+                f"{', '.join(allowed)}")
     if err["type"] == "missing":
         return f"{where}: {key} is missing; add it (see the default params.yaml)"
     msg = err["msg"].removeprefix("Value error, ")

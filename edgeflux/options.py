@@ -3,7 +3,7 @@ memory sizes with units.
 
 Validation is pydantic's: strict types, unknown keys rejected, frozen. Memory sizes take units:
 ``300MB`` (decimal, 10^6), ``1.5GiB`` (binary, 2^30), ``4096B``. A bare number is refused,
-because ``300`` could mean bytes or megabytes.
+because ``300`` could mean bytes or megabytes, and so is a lowercase ``b`` (``24Mb`` is megabits).
 """
 from __future__ import annotations
 
@@ -36,6 +36,9 @@ def parse_bytes(value: str | int) -> int:
     number, unit = match.groups()
     if unit.upper() not in _UNITS:
         raise ValueError(f"unknown unit {unit!r} in {value!r}; allowed units: {', '.join(_pretty_units())}")
+    if unit.endswith("b"):   # b is a bit by convention (24Mb: megabits): never read it as bytes
+        fix = f"'{number}{unit[0].upper()}B' or '{number}{unit[0].upper()}iB'" if len(unit) > 1 else f"'{number}B'"
+        raise ValueError(f"{value!r}: a lowercase b means bits; write bytes with a capital B, e.g. {fix}")
     size = int(round(float(number) * _UNITS[unit.upper()]))
     if size <= 0:
         raise ValueError(f"a memory size must be positive, got {value!r}")

@@ -30,7 +30,12 @@ def stage_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
-def run_stage(main: Callable[[argparse.Namespace, Params], None], parser: argparse.ArgumentParser) -> None:
+def run_stage(main: Callable[[argparse.Namespace, Params], None], parser: argparse.ArgumentParser,
+              resumes: bool = False) -> None:
+    """Run a stage's main with its params, turning user errors and interrupts into one line and an exit code.
+
+    resumes: the stage checkpoints its training, so an interrupted run continues where it stopped (the
+    message says so only then: the other stages start over, and are short)."""
     args = parser.parse_args()
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s",
                         handlers=[RichHandler(show_path=False, rich_tracebacks=True)])
@@ -44,8 +49,8 @@ def run_stage(main: Callable[[argparse.Namespace, Params], None], parser: argpar
         sys.exit(2)
     except KeyboardInterrupt as exc:
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
-        print(f"\ninterrupted ({signal.Signals(signum).name}): run the stage again (dvc repro) to resume from its "
-              "last checkpoint", file=sys.stderr)
+        again = "to resume from its last checkpoint" if resumes else "to run it again (it keeps no checkpoint)"
+        print(f"\ninterrupted ({signal.Signals(signum).name}): run the stage again (dvc repro) {again}", file=sys.stderr)
         sys.exit(128 + signum)
 
 

@@ -77,4 +77,4 @@ def main(args, params) -> None:
 
 
 if __name__ == "__main__":
-    run_stage(main, stage_parser(__doc__))
+    run_stage(main, stage_parser(__doc__), resumes=True)

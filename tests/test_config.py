@@ -2,6 +2,7 @@ import copy
 from pathlib import Path
 
 import pytest
+import yaml
 
 from edgeflux.config import ParamsError, load_params, parse_bytes, validate
 
@@ -24,10 +25,19 @@ def test_repository_params_yaml_is_valid():
 
 
 @pytest.mark.parametrize("text,expected", [
-    ("300MB", 300_000_000), ("1.5GiB", 1_610_612_736), ("4096B", 4096), ("64 KiB", 65_536), ("2gb", 2_000_000_000),
+    ("300MB", 300_000_000), ("1.5GiB", 1_610_612_736), ("4096B", 4096), ("64 KiB", 65_536), ("2GB", 2_000_000_000),
+    ("64kB", 64_000),
 ])
 def test_parse_bytes_units(text, expected):
     assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text, fix", [("24Mb", "'24MB' or '24MiB'"), ("2gb", "'2GB' or '2GiB'"), ("8b", "'8B'")])
+def test_a_lowercase_b_is_bits_and_refused(text, fix):
+    """24Mb is megabits by convention: read as megabytes it would promise eight times the memory."""
+    with pytest.raises(ValueError, match="lowercase b means bits") as err:
+        parse_bytes(text)
+    assert fix in str(err.value)
 
 
 def test_unknown_key_names_key_and_allowed_keys():
@@ -35,6 +45,17 @@ def test_unknown_key_names_key_and_allowed_keys():
         validate(with_change("train_bp", "budgt", "24MB"))
     msg = str(err.value)
     assert "train_bp.budgt" in msg and "unknown key" in msg and "budget" in msg and "max_batch" in msg
+
+
+def test_a_misspelt_section_is_one_short_line():
+    """The section's contents are not printed back (a whole dict on one line); the likely key is named."""
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    raw["neurofluxx"] = raw.pop("neuroflux")
+    with pytest.raises(ParamsError) as err:
+        validate(raw)
+    msg = str(err.value)
+    assert msg.startswith("params.yaml: neurofluxx = a section: unknown key (did you mean neuroflux?);")
+    assert "'model'" not in msg and len(msg) < 200 and "\n" not in msg
 
 
 def test_nested_unknown_key():
