@@ -1,7 +1,8 @@
 """Resumable runs: what defines a run (its signature), the RNG state, and checkpoints written atomically.
 
 A checkpoint is resumed only by the run it belongs to: ``load_checkpoint`` returns None for a file
-of another run (another signature) and for an unreadable one, and the run starts over.
+of another run (another signature) and for an unreadable or corrupt one (its content checksum,
+``artifacts.save_checked``, does not match), and the run starts over.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from edgeflux.artifacts import atomic_write
+from edgeflux.artifacts import CorruptFileError, hash_tensor, load_checked, save_checked
 from edgeflux.data import Images
 
 log = logging.getLogger(__name__)
@@ -31,12 +32,9 @@ def tensor_digest(*tensors: torch.Tensor | Images) -> str:
     hashed as what defines their values: the uint8 pixels and the normalisation.)
     """
     h = hashlib.sha256()
-    flat = [part for t in tensors for part in ((t.pixels, t.mean, t.std) if isinstance(t, Images) else (t,))]
-    for t in flat:
-        t = t.detach().cpu().contiguous()
-        h.update(f"{t.dtype}{list(t.shape)};".encode())
-        if t.numel():
-            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    for t in tensors:
+        for part in (t.pixels, t.mean, t.std) if isinstance(t, Images) else (t,):
+            hash_tensor(h, part)
     return h.hexdigest()
 
 
@@ -58,16 +56,16 @@ def set_rng_state(state: dict | torch.Tensor) -> None:
 
 
 def save_checkpoint(path: Path, state: dict) -> None:
-    atomic_write(path, lambda tmp: torch.save(state, tmp))  # a kill mid-write leaves the previous checkpoint
+    save_checked(path, state)  # atomic: a kill mid-write leaves the previous checkpoint
 
 
 def load_checkpoint(path: Path, signature: str) -> dict | None:
     if not path.exists():
         return None
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # a truncated or foreign file: start over rather than crash
-        log.warning("ignoring unreadable checkpoint %s (%s); training from scratch", path, exc)
+        state = load_checked(path, "training from scratch", weights_only=True)
+    except CorruptFileError as exc:  # truncated, bit-flipped or foreign: start over rather than resume it
+        log.warning("ignoring checkpoint: %s", exc)
         return None
     if state.get("signature") != signature:
         log.info("checkpoint %s belongs to another configuration; training from scratch", path)

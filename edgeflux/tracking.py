@@ -1,8 +1,20 @@
 """MLflow tracking: one parent run per pipeline run, one nested run per stage.
 
-The only module of the library that imports mlflow. Backend: sqlite ``mlflow.db`` in the working
-directory (the repository root, where DVC runs stages) unless ``MLFLOW_TRACKING_URI`` says
-otherwise. Telemetry is off: devices may be offline.
+The only module of the library that imports mlflow. Telemetry is off: devices may be offline.
+
+Where runs go: ``MLFLOW_TRACKING_URI`` when it is set; otherwise sqlite ``mlflow.db`` at the root of
+the repository, found from ``DVC_ROOT``, which DVC sets for every stage it runs, else from the
+working directory. Not the working directory first: ``dvc exp run --temp`` and queued experiments run
+their stages in a copy of the repository under ``.dvc/tmp/exps/`` that DVC deletes afterwards, and
+for those DVC sets ``DVC_ROOT`` to the original repository.
+
+Where artifacts go: MLflow stores an experiment's artifact location as an absolute path, fixed
+when the experiment is created (it keeps no relative one), and each run's artifacts go under its
+experiment's. So with a sqlite store, the experiment is created with its artifacts in
+``mlruns/<experiment>`` next to ``mlflow.db``, and when the experiment found in the store keeps them
+outside the store's directory (the store was copied or moved: they are still the original's), it
+is renamed aside, keeping its runs and their links to their artifacts, and a new experiment of the
+same name takes the new runs. A store thus works from wherever it is.
 
 How stages that run as separate processes find their common parent run: the pipeline id comes
 from ``EDGEFLUX_PIPELINE_ID`` when a launcher (Makefile, Prefect flow) sets it; otherwise from the
@@ -27,13 +39,19 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DO_NOT_TRACK", "true")
 
+import sqlite3  # noqa: E402
+
 import mlflow  # noqa: E402  (the environment above must be set before mlflow reads it)
 import psutil  # noqa: E402
+from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
+from sqlalchemy.exc import SQLAlchemyError  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +60,44 @@ PIPELINE_KEY_TAG = "edgeflux.pipeline_id"
 
 
 def tracking_uri() -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    """Where runs go (see the module docstring)."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{repo_root() / 'mlflow.db'}"
+
+
+def repo_root() -> Path:
+    """The repository a stage belongs to: in a DVC experiment, the original, not DVC's temporary copy."""
+    return Path(os.environ.get("DVC_ROOT") or Path.cwd()).resolve()
+
+
+def _store_dir(uri: str) -> Path | None:
+    """The directory of a sqlite store's file; None for any other store (a server keeps its own artifacts)."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return Path(uri.removeprefix("sqlite:///").split("?")[0]).resolve().parent
+
+
+def _outside(location: str, directory: Path) -> bool:
+    """Whether an artifact location is a local path outside ``directory`` (remote locations work from anywhere)."""
+    parsed = urlparse(location)
+    if parsed.scheme not in ("", "file"):
+        return False
+    return not Path(url2pathname(parsed.path)).resolve().is_relative_to(directory)
+
+
+def resolve_experiment(client: MlflowClient, uri: str) -> str:
+    """The id of EXPERIMENT in the store at ``uri``, with its artifacts next to a sqlite store."""
+    store_dir = _store_dir(uri)
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    if experiment and store_dir and _outside(experiment.artifact_location, store_dir):
+        aside = f"{EXPERIMENT} (artifacts in {experiment.artifact_location})"
+        log.warning("MLflow: experiment %s keeps its artifacts outside %s (a copied or moved store): renamed it %r, "
+                    "new runs go to a new %s", EXPERIMENT, store_dir, aside, EXPERIMENT)
+        client.rename_experiment(experiment.experiment_id, aside)
+        experiment = None
+    if experiment:
+        return experiment.experiment_id
+    location = (store_dir / "mlruns" / EXPERIMENT).as_uri() if store_dir else None
+    return client.create_experiment(EXPERIMENT, artifact_location=location)
 
 
 def pipeline_id() -> str:
@@ -183,6 +238,28 @@ def close_orphaned_runs(client: MlflowClient, experiment_id: str) -> list[str]:
     return closed
 
 
+class TrackingStoreError(RuntimeError):
+    """The MLflow store cannot be opened (a damaged sqlite file, a server that is not there)."""
+
+
+def _open_store(uri: str) -> tuple[MlflowClient, str, str]:
+    """(client, experiment id, parent run id) in the store at ``uri``; TrackingStoreError with the fix when
+    the store is unusable, before the stage has done any work."""
+    try:
+        mlflow.set_tracking_uri(uri)
+        client = MlflowClient()
+        experiment_id = resolve_experiment(client, uri)
+        close_orphaned_runs(client, experiment_id)
+        return client, experiment_id, _parent_run(client, experiment_id, pipeline_id())
+    except (SQLAlchemyError, sqlite3.DatabaseError, MlflowException) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        db = uri.removeprefix("sqlite:///").split("?")[0]
+        fix = (f"move it aside (`mv {db} {db}.corrupt`) and rerun: a new store is created (the old runs stay "
+               "in the moved file)" if _store_dir(uri)
+               else "check that the tracking server is up, or set MLFLOW_TRACKING_URI to a reachable one")
+        raise TrackingStoreError(f"the MLflow tracking store {uri} cannot be used ({reason[:200]}): {fix}") from None
+
+
 @contextmanager
 def stage_run(stage: str, params: Mapping[str, Any] | None = None) -> Iterator[StageRun]:
     """Open the nested MLflow run of one stage inside its pipeline's parent run.
@@ -192,12 +269,8 @@ def stage_run(stage: str, params: Mapping[str, Any] | None = None) -> Iterator[S
     is left in the same state, so the parent always shows the state of the last stage that ran.
     Runs that a killed process left RUNNING on this host are closed as KILLED first.
     """
-    mlflow.set_tracking_uri(tracking_uri())
-    client = MlflowClient()
-    experiment = client.get_experiment_by_name(EXPERIMENT)
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment(EXPERIMENT)
-    close_orphaned_runs(client, experiment_id)
-    parent_id = _parent_run(client, experiment_id, pipeline_id())
+    uri = tracking_uri()
+    client, experiment_id, parent_id = _open_store(uri)
     status = "FAILED"
     with mlflow.start_run(experiment_id=experiment_id, run_name=stage, parent_run_id=parent_id,
                           tags={"edgeflux.stage": stage, "edgeflux.kind": "stage", **_process_tags()}) as active:
@@ -215,7 +288,7 @@ def stage_run(stage: str, params: Mapping[str, Any] | None = None) -> Iterator[S
                 mlflow.log_metric("time_s", time.perf_counter() - run.started)
             mlflow.end_run(status=status)
             client.set_terminated(parent_id, status=status)
-    log.info("MLflow: stage %s logged as run %s (parent %s) in %s", stage, run.run_id, parent_id, tracking_uri())
+    log.info("MLflow: stage %s logged as run %s (parent %s) in %s", stage, run.run_id, parent_id, uri)
 
 
 def ui_command() -> str:

@@ -93,12 +93,21 @@ class MemoryOptions(Options):
 
 
 
+class DeviceUnavailableError(RuntimeError):
+    """The params ask for a device this machine does not have."""
+
+
 def resolve_device(name: str = "auto") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device 'cuda' was asked for but no CUDA device is visible; set device: cpu (or auto)")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (device.index or 0) >= count:
+            seen = f"{count} CUDA device(s) visible" if count else "no CUDA device is visible to torch"
+            raise DeviceUnavailableError(f"device {name!r} was asked for but {seen} (torch {torch.__version__}); "
+                                         f"set device: cpu (or auto) in params.yaml")
+    return device
 
 
 def make_optimizer(params, opts: TrainOptions) -> torch.optim.Optimizer:

@@ -2,25 +2,47 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import ctypes
+import errno
+import fcntl
 import logging
+import os
 import resource
 import signal
 import sys
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
 from rich.logging import RichHandler
 
-from edgeflux.artifacts import CorruptFileError
+from edgeflux.artifacts import CorruptFileError, WriteError
 from edgeflux.config import Params, ParamsError, load_params
 from edgeflux.data import DataParamsError, DatasetNotFoundError, PreparedDataError
 from edgeflux.memory import BudgetTooSmallError
 from edgeflux.neuroflux.profile import PoorFitError
+from edgeflux.tracking import TrackingStoreError
+from edgeflux.train import DeviceUnavailableError
+
+
+class StageRunningError(Exception):
+    """Another process runs the same stage: both would write its checkpoint and outputs."""
+
 
 # Errors that are the user's to fix: shown as one message, no traceback.
 USER_ERRORS = (ParamsError, DatasetNotFoundError, DataParamsError, PreparedDataError, BudgetTooSmallError,
-               PoorFitError, CorruptFileError, FileNotFoundError)
+               PoorFitError, CorruptFileError, FileNotFoundError, StageRunningError, DeviceUnavailableError,
+               TrackingStoreError, WriteError)
+# What the machine refuses (a full disk, a read-only directory): one line naming the file, no traceback.
+MACHINE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+
+# One lock file per stage, relative to the working directory (dvc runs stages in the repository root).
+LOCKS = Path(".edgeflux/locks")
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def stage_parser(description: str) -> argparse.ArgumentParser:
@@ -31,8 +53,12 @@ def stage_parser(description: str) -> argparse.ArgumentParser:
 
 
 def run_stage(main: Callable[[argparse.Namespace, Params], None], parser: argparse.ArgumentParser,
-              resumes: bool = False) -> None:
+              resumes: bool = False, name: str | None = None) -> None:
     """Run a stage's main with its params, turning user errors and interrupts into one line and an exit code.
+
+    The stage dies with the process that started it (dvc), and refuses to start while another process
+    runs it (name: the stage's lock, by default its script's name), so that no orphan and rerun write
+    the same checkpoint and outputs.
 
     resumes: the stage checkpoints its training, so an interrupted run continues where it stopped (the
     message says so only then: the other stages start over, and are short)."""
@@ -43,15 +69,32 @@ def run_stage(main: Callable[[argparse.Namespace, Params], None], parser: argpar
         logging.getLogger(noisy).setLevel(logging.WARNING)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        main(args, load_params(args.params))
+        _die_with_parent()
+        with _exclusive(name or Path(main.__code__.co_filename).stem):
+            main(args, load_params(args.params))
     except USER_ERRORS as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as exc:
+        if exc.errno not in MACHINE_ERRNOS:
+            raise
+        print(f"\nerror: {_machine_error(exc)}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt as exc:
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
         again = "to resume from its last checkpoint" if resumes else "to run it again (it keeps no checkpoint)"
         print(f"\ninterrupted ({signal.Signals(signum).name}): run the stage again (dvc repro) {again}", file=sys.stderr)
         sys.exit(128 + signum)
+
+
+def _machine_error(exc: OSError) -> str:
+    """A refused write as one line: what, where, and the fix."""
+    where = exc.filename or "a file"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = "the disk is full: free space and rerun the stage"
+    else:
+        fix = "the directory is read-only or not yours: make it writable (or run from a writable clone) and rerun"
+    return f"could not write {where} ({exc.strerror}): {fix}"
 
 
 class Interrupted(KeyboardInterrupt):
@@ -65,6 +108,86 @@ class Interrupted(KeyboardInterrupt):
 
 def _interrupt(signum: int, frame) -> None:
     raise Interrupted(signum)
+
+
+def _die_with_parent() -> None:
+    """Have SIGTERM sent to this process when its parent dies, even by SIGKILL, so that it unwinds
+    (Interrupted) instead of running on as an orphan beside the parent's rerun."""
+    ppid = os.getppid()
+    if not _pdeathsig(signal.SIGTERM):
+        threading.Thread(target=_watch_parent, args=(ppid,), name="watch-parent", daemon=True).start()
+    if os.getppid() != ppid:  # the parent died before the signal was armed: nothing will send it
+        raise Interrupted(signal.SIGTERM)
+    if (launcher := _behind_shell(ppid)) is not None:
+        threading.Thread(target=_watch_process, args=(launcher,), name="watch-launcher", daemon=True).start()
+
+
+SHELLS = {"sh", "dash", "bash", "zsh", "ksh", "busybox"}
+
+
+def _behind_shell(ppid: int) -> psutil.Process | None:
+    """The shell's parent when this stage's parent is a shell: dvc runs `$SHELL -c cmd` (/bin/sh where SHELL
+    is unset), and dash, unlike bash, does not replace itself with the command, so dvc's death orphans the
+    shell and no parent-death signal reaches the stage."""
+    try:
+        parent = psutil.Process(ppid)
+        return parent.parent() if parent.name() in SHELLS else None
+    except psutil.Error:
+        return None
+
+
+def _watch_process(launcher: psutil.Process) -> None:
+    try:
+        while launcher.is_running() and launcher.status() != psutil.STATUS_ZOMBIE:   # is_running: pid not reused
+            time.sleep(1)
+    except psutil.NoSuchProcess:
+        pass
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _pdeathsig(signum: int) -> bool:
+    """Linux's prctl(PR_SET_PDEATHSIG); False where there is none (macOS). The kernel sends it when the
+    parent *thread* that forked this process exits: dvc starts a stage (subprocess, `$SHELL -c`, which
+    bash replaces with the stage) from its main thread, so that is when dvc itself exits."""
+    prctl = getattr(ctypes.CDLL(None), "prctl", None)  # libc's, among the interpreter's own symbols
+    return prctl is not None and prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0) == 0
+
+
+def _watch_parent(ppid: int) -> None:
+    """Without prctl: notice the parent's death by this process being reparented."""
+    while os.getppid() == ppid:
+        time.sleep(1)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _exclusive(stage: str) -> Iterator[None]:
+    """Hold the stage's lock, with this pid written in it, or raise StageRunningError. The OS releases
+    a flock when its process dies, so a killed stage leaves no stale lock."""
+    LOCKS.mkdir(parents=True, exist_ok=True)
+    fd = os.open(LOCKS / f"{stage}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = _holder(fd)
+            raise StageRunningError(f"stage {stage} is already running (pid {pid}); "
+                                    f"wait for it or stop it (kill {pid})") from None
+        mine = f"{os.getpid()}\n".encode()
+        os.pwrite(fd, mine, 0)  # before truncating: a reader sees one whole pid first, never none
+        os.ftruncate(fd, len(mine))
+        yield
+    finally:
+        os.close(fd)
+
+
+def _holder(fd: int) -> str:
+    """The pid the lock's holder wrote, waiting briefly for one that has just taken it."""
+    for _ in range(20):
+        if words := os.pread(fd, 32, 0).split():
+            return words[0].decode()
+        time.sleep(0.05)
+    return "unknown"
 
 
 def write_history_csv(path: Path, history: list[dict]) -> None:

@@ -27,7 +27,7 @@ def main(args, params) -> None:
     profiles, meta = load_profile(PROFILE)
     with stage_run("partition", {"budget": p.budget, "max_batch": p.max_batch, "rho": p.rho}) as run:
         blocks = partition([(u.slope_bytes_per_sample, u.intercept_bytes) for u in profiles], p.budget, p.max_batch,
-                           rho=p.rho, names=[u.name for u in profiles])
+                           rho=p.rho, names=[u.name for u in profiles], floors=[u.min_bytes for u in profiles])
         save_blocks(BLOCKS, blocks, {"budget_bytes": p.budget, "batch_limit": p.max_batch, "rho": p.rho, **meta})
         metrics = {"blocks": len(blocks), "budget_bytes": p.budget,
                    "min_block_batch": min(b.batch_size for b in blocks),

@@ -39,6 +39,8 @@ def main(args, params) -> None:
             save_model(OUT / f"{spec.key}.pt", model, build_args, meta={"stage": "pretrain", **summary[spec.key]})
             run.log_metrics({f"{spec.key}.{k}": v for k, v in summary[spec.key].items()})
         write_json(METRICS, summary)
+        for stale in set(OUT.glob("*.pt")) - {OUT / f"{key}.pt" for key in summary}:
+            stale.unlink()   # dvc.yaml persists this directory: a model no longer in params must not linger
         run.log_metrics({"peak_mem_bytes": max(m["peak_mem_bytes"] for m in summary.values())})
         run.log_artifact(METRICS)
 

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from edgeflux.artifacts import atomic_write, read_json, write_json
+from edgeflux.artifacts import save_torch, write_json
 from edgeflux.data import load_prepared, tensors
 from edgeflux.models.units import count_params
 from edgeflux.neuroflux.aux import exit_params
@@ -25,7 +23,7 @@ from edgeflux.train import evaluate
 from stages.common import run_stage, stage_parser
 
 MODEL, TRAINED = Path("models/neuroflux_exit.pt"), Path("models/neuroflux.pt")
-METRICS, PLOT, TRAIN_METRICS = Path("metrics/select_exit.json"), Path("plots/exits.png"), Path("metrics/train_blocks.json")
+METRICS, PLOT = Path("metrics/select_exit.json"), Path("plots/exits.png")
 
 
 def main(args, params) -> None:
@@ -33,8 +31,7 @@ def main(args, params) -> None:
     data = load_prepared(Path("data/prepared"))
     test = tensors(data, "target_test")
     model, learners, meta = load_learners(TRAINED)
-    trained = read_json(TRAIN_METRICS, "run `dvc repro train_blocks` first")
-    val_acc, test_acc = trained["unit_val_acc"], trained["unit_test_acc"]
+    val_acc, test_acc = meta["unit_val_acc"], meta["unit_test_acc"]   # from the checked model file
     params_per_exit = [exit_params(learners, k) for k in range(len(learners))]
     with stage_run("select_exit", {"exit_tolerance": p.exit_tolerance}) as run:
         k = select_exit(val_acc, params_per_exit, p.exit_tolerance)
@@ -49,7 +46,7 @@ def main(args, params) -> None:
         metrics["compression"] = metrics["full_params"] / metrics["params"]
         metrics["speedup"] = metrics["throughput_img_s"] / metrics["full_throughput_img_s"]
         write_json(METRICS, metrics)
-        atomic_write(MODEL, lambda tmp: torch.save(compact, tmp))
+        save_torch(MODEL, compact)
         plot_exits(meta["unit_names"], val_acc, test_acc, params_per_exit, k, PLOT)
         run.log_metrics({k2: v for k2, v in metrics.items() if isinstance(v, (int, float))})
         run.log_model(compact, "neuroflux_exit", example=test[0][:2])

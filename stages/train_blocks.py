@@ -64,7 +64,9 @@ def main(args, params) -> None:
         write_history_csv(PLOT, [{k: r[k] for k in ("step", "epoch", "time_s", "train_loss", "val_acc")}
                                  for r in result.history])
         save_learners(MODEL, learners, spec, aux, meta={"stage": "train_blocks", "blocks": [b.to_dict() for b in blocks],
-                                                       "unit_names": model.unit_names})
+                                                       "unit_names": model.unit_names,
+                                                       "unit_val_acc": result.unit_val_acc,
+                                                       "unit_test_acc": result.unit_test_acc})
         run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
         run.log_metrics({f"block{i}.{name}": value for i, b in enumerate(result.blocks) for name, value in
                          (("batch_size", b.batch_size), ("peak_mem_bytes", b.peak_bytes), ("train_time_s", b.train_time_s))})

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from edgeflux.artifacts import save_checked
 import edgeflux.data.load as data_load  # the loaders read DEBIAN_FASHION_MNIST from here
 from edgeflux import data
 from edgeflux.data import (
@@ -424,6 +425,9 @@ def test_load_prepared_missing_or_corrupt(tmp_path):
     with pytest.raises(PreparedDataError, match="corrupt.*dvc repro prepare"):
         load_prepared(tmp_path)
     torch.save({"images": torch.zeros(1)}, tmp_path / "data.pt")
+    with pytest.raises(PreparedDataError, match="carries no edgeflux checksum"):
+        load_prepared(tmp_path)
+    save_checked(tmp_path / "data.pt", {"images": torch.zeros(1)})
     with pytest.raises(PreparedDataError, match="not valid prepared data"):
         load_prepared(tmp_path)
 

@@ -122,6 +122,54 @@ def test_repro_then_noop_then_exp_run(project):
     assert all(r.info.status == "FINISHED" for r in runs)
 
 
+def _bytes(project, paths):
+    return {path: (project / path).read_bytes() for path in paths}
+
+
+def test_a_stage_that_stops_under_dvc_keeps_the_last_good_outputs(project):
+    """DVC deletes a stage's outputs before running it unless they persist: a bad param, a misspelt section
+    or a budget too small must stop the stage with its one line and leave every last good output in place."""
+    bp = ["metrics/train_bp.json", "memory/train_bp.json", "plots/train_bp.csv", "models/train_bp.pt"]
+    profile = ["profile/memory.json", "profile/memory.png", "metrics/profile.json"]
+    before = _bytes(project, bp + profile)
+    good_params = (project / "params.yaml").read_text()
+    try:
+        out = sh("dvc exp run -S train_bp.budget=24 train_bp", project, check=False)
+        assert out.returncode != 0 and "train_bp.budget = 24: a memory size needs a unit" in out.stderr
+        params = yaml.safe_load(good_params)   # a misspelt key, with a change that makes profile run again
+        params["neuroflux"]["epocs"] = params["neuroflux"].pop("epochs")
+        params["neuroflux"]["seed"] += 1
+        (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        out = sh("dvc repro partition", project, check=False)
+        assert out.returncode != 0 and "Running stage 'profile'" in out.stdout and "epocs" in out.stderr
+        params = yaml.safe_load(good_params)
+        params["train_bp"]["budget"] = "10KB"
+        (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        out = sh("dvc repro train_bp", project, check=False)
+        assert out.returncode != 0 and "smallest feasible budget" in out.stderr
+        assert "Traceback" not in out.stderr
+    finally:
+        (project / "params.yaml").write_text(good_params)
+    assert _bytes(project, bp + profile) == before
+    assert "Running stage" not in sh("dvc repro", project).stdout   # what persisted is what dvc.lock records
+
+
+def test_a_damaged_model_is_one_line_and_dvc_checkout_restores_it(project):
+    """models/neuroflux.pt with a flipped bit: select_exit run directly stops with one line naming the fix
+    (it exported a broken model with exit 0 before), and the fix it names works."""
+    model = project / "models/neuroflux.pt"
+    good = model.read_bytes()
+    data = bytearray(good)
+    for k in range(4):   # a few bytes in the middle: weights, as a disk or a copy damages them
+        data[len(data) // 2 + 7 * k] ^= 0x10
+    model.write_bytes(bytes(data))
+    out = sh("python -m stages.select_exit", project, check=False)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "models/neuroflux.pt is corrupt" in out.stderr and "dvc checkout --force models/neuroflux.pt" in out.stderr
+    sh("dvc checkout --force models/neuroflux.pt", project)
+    assert model.read_bytes() == good
+
+
 def test_bad_params_stop_with_a_clear_error(project):
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["train_bp"]["budget"] = 300

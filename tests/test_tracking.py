@@ -1,13 +1,24 @@
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
 from edgeflux.tracking import close_orphaned_runs, flatten, pipeline_id, stage_run, tracking_uri
+
+STAGE_SCRIPT = """\
+from pathlib import Path
+from edgeflux.tracking import stage_run
+with stage_run('tiny', {'cwd': Path.cwd()}) as run:
+    Path('out.txt').write_text('x')
+    run.log_artifact('out.txt')
+"""
 
 
 def runs(client):
@@ -100,3 +111,85 @@ def test_runs_left_running_by_a_killed_process_are_closed_as_killed(monkeypatch)
     assert pipelines == {"killed-pipeline": "KILLED", "next-pipeline": "FINISHED"}
     assert sorted(r.info.status for r in runs(client) if r.data.tags["edgeflux.kind"] == "stage") == ["FINISHED",
                                                                                                       "KILLED"]
+
+
+def test_store_is_found_from_dvc_root_and_the_tracking_uri_wins(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))   # what DVC sets: in an experiment, the original repository
+    assert tracking_uri() == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracking.example:5000")
+    assert tracking_uri() == "http://tracking.example:5000"
+
+
+def _artifact_dir(run) -> Path:
+    return Path(run.info.artifact_uri.removeprefix("file://"))
+
+
+def test_dvc_exp_run_temp_logs_to_the_repository_store(tmp_path):
+    """`dvc exp run --temp` runs the stage in a copy under .dvc/tmp/exps/ that DVC deletes afterwards: the run
+    and its artifacts must be in the repository's mlflow.db and next to it."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "stage.py").write_text(STAGE_SCRIPT)
+    (repo / "dvc.yaml").write_text(f"stages:\n  tiny:\n    cmd: {sys.executable} stage.py\n    deps: [stage.py]\n"
+                                   "    outs: [out.txt]\n")
+    (repo / ".gitignore").write_text("mlflow.db\nmlruns/\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "DVC_ROOT")}
+    env.update(DVC_NO_ANALYTICS="1", DVC_SITE_CACHE_DIR=str(tmp_path / "site-cache"), MLFLOW_DISABLE_TELEMETRY="true",
+               GIT_CONFIG_GLOBAL=os.devnull)
+    dvc = f"{sys.executable} -m dvc"
+    for cmd in ("git init -q", "git config user.email t@t", "git config user.name t", f"{dvc} init -q",
+                f"{dvc} config core.analytics false",
+                "git add -A", "git commit -qm init", f"{dvc} exp run --temp"):
+        out = subprocess.run(cmd, shell=True, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, f"{cmd}:\n{out.stdout}\n{out.stderr}"
+    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    (stage,) = [r for r in runs(client) if r.data.tags["edgeflux.kind"] == "stage"]
+    assert stage.info.status == "FINISHED" and stage.data.tags["edgeflux.stage"] == "tiny"
+    assert Path(stage.data.params["cwd"]).is_relative_to(repo / ".dvc/tmp/exps")   # it ran in DVC's temp copy
+    assert _artifact_dir(stage).is_relative_to(repo.resolve() / "mlruns")
+    assert (_artifact_dir(stage) / "out.txt").read_text() == "x"
+
+
+def test_a_copied_store_keeps_new_artifacts_in_the_copy(tmp_path, monkeypatch):
+    """MLflow fixes an experiment's artifact location as an absolute path: a copy of a clone (mlflow.db and
+    mlruns/) must not write its new runs' artifacts into the original."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    monkeypatch.delenv("DVC_ROOT", raising=False)
+    original, copy = tmp_path / "original", tmp_path / "copy"
+    original.mkdir()
+    monkeypatch.chdir(original)
+    with stage_run("prepare") as run:
+        Path("out.txt").write_text("original")
+        run.log_artifact("out.txt")
+    shutil.copytree(original, copy)
+    monkeypatch.chdir(copy)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")   # mlflow.set_tracking_uri exported it, for subprocesses
+    with stage_run("prepare") as run:
+        Path("out.txt").write_text("copy")
+        run.log_artifact("out.txt")
+        new_run_id = run.run_id
+    client = MlflowClient(f"sqlite:///{copy / 'mlflow.db'}")
+    new = client.get_run(new_run_id)
+    assert _artifact_dir(new).is_relative_to(copy.resolve()) and (_artifact_dir(new) / "out.txt").read_text() == "copy"
+    assert not list(original.rglob(new_run_id))
+    # the copied runs stay findable, with their artifacts where they were logged
+    assert len(client.search_runs([e.experiment_id for e in client.search_experiments()])) == 4
+
+
+def test_a_corrupt_store_is_one_error_that_says_to_move_it_aside(tmp_path, monkeypatch):
+    """A damaged mlflow.db blocked every stage with a 77-line traceback: now one line with the fix, raised
+    before the stage does any work, and the fix works."""
+    from edgeflux.tracking import TrackingStoreError
+
+    db = tmp_path / "mlflow.db"
+    db.write_bytes(b"SQLite format 3\x00" + bytes(range(256)) * 40)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
+    with pytest.raises(TrackingStoreError, match=r"cannot be used .*" + re.escape(f"`mv {db} {db}.corrupt`")) as info:
+        with stage_run("prepare"):
+            pytest.fail("the stage ran on a store it cannot use")
+    assert "\n" not in str(info.value)
+    db.rename(db.with_name("mlflow.db.corrupt"))   # the fix, then a new process (this one caches the store)
+    subprocess.run([sys.executable, "-c", "from edgeflux.tracking import stage_run\nwith stage_run('prepare'): pass"],
+                   check=True, cwd=Path(__file__).resolve().parents[1], env={**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{db}"}, timeout=120)
+    assert db.exists()

@@ -2,18 +2,19 @@
 
 out_dir/data.pt holds the tensors (uint8 images, labels, split indices) and out_dir/manifest.json the
 settings and per-split counts, human-readable and diffable by DVC. Files are written by rename so an
-interrupted stage never leaves half a file, and everything read back is checked, so a stale or damaged
+interrupted stage never leaves half a file, and everything read back is checked (data.pt's content
+checksum, then what it must contain: shapes, split indices, labels in range), so a stale or damaged
 output fails with the command that recreates it instead of an error deep inside training.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from edgeflux.artifacts import CorruptFileError, load_checked, read_json, save_checked, write_json
 
 _FORMAT_VERSION = 1
 _PREPARE_FIX = "run `dvc repro prepare` (add -f to force it) to (re)create it"
@@ -40,7 +41,6 @@ class PreparedData:
 def save_prepared(data: PreparedData, out_dir: Path) -> None:
     """Write out_dir/data.pt (tensors and fields) and out_dir/manifest.json (indent 2, sorted keys)."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     payload = {
         "format": _FORMAT_VERSION,
         "name": data.name,
@@ -51,13 +51,11 @@ def save_prepared(data: PreparedData, out_dir: Path) -> None:
         "mean": list(data.mean),
         "std": list(data.std),
     }
-    # Write-then-rename: an interrupted stage never leaves a half-written file behind.
-    tmp = out_dir / "data.pt.tmp"
-    torch.save(payload, tmp)
-    os.replace(tmp, out_dir / "data.pt")
-    tmp = out_dir / "manifest.json.tmp"
-    tmp.write_text(json.dumps(data.manifest, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, out_dir / "manifest.json")
+    problem = _payload_problem(payload)
+    if problem:   # a bug upstream: never write a file that every later stage would refuse
+        raise ValueError(f"refusing to save invalid prepared data: {problem}")
+    save_checked(out_dir / "data.pt", payload)
+    write_json(out_dir / "manifest.json", data.manifest)
 
 
 def load_prepared(out_dir: Path) -> PreparedData:
@@ -71,11 +69,10 @@ def load_prepared(out_dir: Path) -> PreparedData:
         # mmap: the images stay file-backed page cache, which the kernel can drop under memory
         # pressure and share between stages, rather than anonymous memory that only swap can free;
         # a stage copies out the rows of its splits (tensors()) and does not touch the rest.
-        payload = torch.load(data_path, map_location="cpu", weights_only=True, mmap=True)
-        manifest = json.loads(manifest_path.read_text())
-    except Exception as e:  # torch.load/json raise many types for a damaged file; all mean the same
-        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        raise PreparedDataError(f"{out_dir} holds a corrupt data.pt or manifest.json ({reason}); {_PREPARE_FIX}") from e
+        payload = load_checked(data_path, _PREPARE_FIX, weights_only=True, mmap=True)
+        manifest = read_json(manifest_path, _PREPARE_FIX)
+    except CorruptFileError as e:
+        raise PreparedDataError(str(e)) from None
     problem = _payload_problem(payload)
     if problem:
         raise PreparedDataError(f"{data_path} is not valid prepared data: {problem}; {_PREPARE_FIX}")
@@ -98,10 +95,14 @@ def _payload_problem(p) -> str | None:
     if p["format"] != _FORMAT_VERSION:
         return f"format {p['format']} (this edgeflux reads format {_FORMAT_VERSION})"
     images, labels = p["images"], p["labels"]
-    if images.dtype != torch.uint8 or images.dim() != 4 or labels.shape != (len(images),):
+    if (images.dtype != torch.uint8 or images.dim() != 4 or labels.dtype != torch.int64
+            or labels.shape != (len(images),)):
         return f"images {tuple(images.shape)} {images.dtype} and labels {tuple(labels.shape)} do not fit"
     if len(p["mean"]) != images.shape[1] or len(p["std"]) != images.shape[1]:
         return "mean/std do not match the channel count"
+    if len(labels) and (int(labels.min()) < 0 or int(labels.max()) >= len(p["classes"])):
+        return (f"labels range over {int(labels.min())}..{int(labels.max())}, outside the "
+                f"{len(p['classes'])} classes 0..{len(p['classes']) - 1}")
     for name, idx in p["splits"].items():
         if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= len(images)):
             return f"split {name!r} indexes outside the {len(images)} images"

@@ -101,12 +101,12 @@ class BlockStep:
         return {"units": stored}, {name: unit["stored_bytes"] for name, unit in stored.items()}
 
 
-def measure_block_peak(learners: Sequence[LocalLearner], opts: TrainOptions, x: Tensor, y: Tensor,
+def measure_block_peak(learners: Sequence[LocalLearner], make_optimizer: OptimizerFactory, x: Tensor, y: Tensor,
                        prefix: nn.Module | None = None, context: StepContext | None = None,
-                       device: torch.device | str = "cpu") -> StepMemory:
+                       device: torch.device | str = "cpu", process_stats: bool = True) -> StepMemory:
     """Measured memory of one steady-state block step (on copies: see measure_training_step)."""
-    return measure_training_step(LocalBlock(learners, prefix), BlockStep.factory(optimizer_factory(opts), context),
-                                 (x.clone(), y), (x, y), device)
+    return measure_training_step(LocalBlock(learners, prefix), BlockStep.factory(make_optimizer, context),
+                                 (x.clone(), y), (x, y), device, process_stats)
 
 
 def fit_block_batch(learners: Sequence[LocalLearner], opts: TrainOptions, source, planned: int,
@@ -118,7 +118,9 @@ def fit_block_batch(learners: Sequence[LocalLearner], opts: TrainOptions, source
     samples = [batch for _, batch in zip(range(CONTENT_SAMPLES), batches)]
     getattr(batches, "close", lambda: None)()   # stop the prefetcher: these batches are all we need
     data = torch.cat([x for x, _ in samples]), torch.cat([y for _, y in samples])
-    choice = choose_batch(lambda x, y: measure_block_peak(learners, opts, x.clone(), y.clone(), prefix, context, device),
+    make_optimizer = optimizer_factory(opts)
+    choice = choose_batch(lambda x, y: measure_block_peak(learners, make_optimizer, x.clone(), y.clone(), prefix, context,
+                                                          device),
                           data, budget_bytes=budget_bytes, max_batch=planned, preferred=planned)
     if choice.batch_size < planned:
         log.warning("block step at the planned batch %d measured over the budget %s: training at batch %d (%s)",

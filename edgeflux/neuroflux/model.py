@@ -5,9 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from edgeflux.artifacts import atomic_write
+from edgeflux.artifacts import load_checked, model_fix, save_checked
 from edgeflux.models import UnitModel, build_model
 
 from .aux import LocalLearner, local_learners
@@ -26,8 +24,8 @@ def build_learners(spec: dict, aux: dict) -> tuple[UnitModel, list[LocalLearner]
 
 
 def save_learners(path: str | Path, learners: list[LocalLearner], spec: dict, aux: dict, meta: dict | None = None) -> None:
-    state = {"spec": spec, "aux": aux, "learners": [learner.state_dict() for learner in learners], "meta": meta or {}}
-    atomic_write(Path(path), lambda tmp: torch.save(state, tmp))
+    save_checked(path, {"spec": spec, "aux": aux, "learners": [learner.state_dict() for learner in learners],
+                        "meta": meta or {}})
 
 
 def load_learners(path: str | Path) -> tuple[UnitModel, list[LocalLearner], dict]:
@@ -35,7 +33,7 @@ def load_learners(path: str | Path) -> tuple[UnitModel, list[LocalLearner], dict
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no trained NeuroFlux model; run `dvc repro train_blocks` first")
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = load_checked(path, model_fix(path, "train_blocks"), weights_only=True)
     model, learners = build_learners(state["spec"], state["aux"])
     for learner, sd in zip(learners, state["learners"], strict=True):
         learner.load_state_dict(sd)

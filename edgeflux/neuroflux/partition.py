@@ -69,9 +69,16 @@ def _exact(v: numbers.Real) -> Fraction:
     return Fraction(int(v)) if isinstance(v, numbers.Integral) else Fraction(float(v))
 
 
-def min_budget_bytes(models: Sequence[tuple[float, float]]) -> int:
-    """The smallest whole-byte budget under which every unit fits batch 1: max over units of ceil(a + b)."""
-    return max(math.ceil(_exact(a) + _exact(b)) for a, b in models)
+def unit_floors(models: Sequence[tuple[float, float]], floors: Sequence[int] | None = None) -> list[int]:
+    """Each unit's least budget: its measured batch-1 peak where the profiler measured one (the line
+    extrapolates badly down to batch 1), else the line's ceil(a + b)."""
+    lines = [math.ceil(_exact(a) + _exact(b)) for a, b in models]
+    return [int(f) if f else line for line, f in zip(lines, floors or [0] * len(models), strict=True)]
+
+
+def min_budget_bytes(models: Sequence[tuple[float, float]], floors: Sequence[int] | None = None) -> int:
+    """The smallest whole-byte budget under which every unit fits batch 1: the largest unit floor."""
+    return max(unit_floors(models, floors))
 
 
 class UnitDoesNotFitError(BudgetTooSmallError):
@@ -87,9 +94,9 @@ class UnitDoesNotFitError(BudgetTooSmallError):
         needs = f" needs {format_bytes(unit_bytes)} ({unit_bytes} bytes)" if unit_bytes is not None else " does not fit"
         more = f"; units {list(others)} do not fit either" if others else ""
         need = f"{format_bytes(min_feasible_bytes)} ({min_feasible_bytes} bytes)"
-        basis = "measured" if measured else "its profiled linear model"
+        basis = "measured" if measured else "profiled"
         fits = (f"It fits batch 1 from {need} (measured; a later unit may need more)" if measured
-                else f"Every unit fits batch 1 from {need}")
+                else f"Every unit's profiled batch-1 step fits from {need}")
         self.args = (
             f"{unit}{needs} for one local-learning step at batch size 1 ({basis}), above the memory budget "
             f"{format_bytes(budget_bytes)} ({budget_bytes} bytes){more}. {fits}: raise the budget to at least "
@@ -98,32 +105,37 @@ class UnitDoesNotFitError(BudgetTooSmallError):
 
 
 def _check_args(models: Sequence[tuple[float, float]], budget_bytes: float, batch_limit: int,
-                names: Sequence[str] | None) -> None:
+                names: Sequence[str] | None, floors: Sequence[int] | None = None) -> None:
     if not models:
         raise ValueError("partition needs one (a, b) memory model per unit; got none (run the profiler first)")
     if not (isinstance(budget_bytes, numbers.Real) and math.isfinite(budget_bytes) and budget_bytes > 0):
         raise ValueError(f"budget_bytes must be a positive number of bytes, got {budget_bytes!r}")
     if isinstance(batch_limit, bool) or not (isinstance(batch_limit, numbers.Integral) and batch_limit >= 1):
         raise ValueError(f"batch_limit must be an int >= 1 (the paper caps batches at 32..512), got {batch_limit!r}")
-    if names is not None and len(names) != len(models):
-        raise ValueError(f"names has {len(names)} entries for {len(models)} units")
+    for what, given in (("names", names), ("floors", floors)):
+        if given is not None and len(given) != len(models):
+            raise ValueError(f"{what} has {len(given)} entries for {len(models)} units")
 
 
 def unit_batch_sizes(models: Sequence[tuple[float, float]], budget_bytes: float, batch_limit: int,
-                     names: Sequence[str] | None = None) -> list[int]:
+                     names: Sequence[str] | None = None, floors: Sequence[int] | None = None) -> list[int]:
     """Algorithm 1 lines 2-5: b_l = min(max batch under the budget, batch_limit) for every unit.
 
+    floors: each unit's measured batch-1 peak (UnitProfile.min_bytes). A unit fits batch 1 exactly when
+    its floor does: the measurement overrides the line both ways (the line may predict 0 where batch 1
+    measured within the budget, or 1 where it measured over it).
     Raises UnitDoesNotFitError (a BudgetTooSmallError) naming the first unit whose batch 1 does
     not fit, with the smallest budget at which every unit fits.
     """
-    _check_args(models, budget_bytes, batch_limit, names)
-    sizes = [min(max_batch_for(a, b, budget_bytes), batch_limit) for a, b in models]
+    _check_args(models, budget_bytes, batch_limit, names, floors)
+    least = unit_floors(models, floors)
+    sizes = [0 if need > budget_bytes else max(1, min(max_batch_for(a, b, budget_bytes), batch_limit))
+             for (a, b), need in zip(models, least)]
     bad = [i for i, s in enumerate(sizes) if s < 1]
     if bad:
         i = bad[0]
-        a, b = models[i]
-        raise UnitDoesNotFitError(int(budget_bytes), min_budget_bytes(models), i, names[i] if names else None,
-                                  unit_bytes=math.ceil(_exact(a) + _exact(b)), others=bad[1:])
+        raise UnitDoesNotFitError(int(budget_bytes), max(least), i, names[i] if names else None,
+                                  unit_bytes=least[i], others=bad[1:])
     return [int(size) for size in sizes]
 
 
@@ -150,14 +162,14 @@ def group(sizes: Sequence[int], rho: float = 0.4) -> list[Block]:
 
 
 def partition(models: Sequence[tuple[float, float]], budget_bytes: float, batch_limit: int, rho: float = 0.4,
-              names: Sequence[str] | None = None) -> list[Block]:
+              names: Sequence[str] | None = None, floors: Sequence[int] | None = None) -> list[Block]:
     """NeuroFlux Algorithm 1: blocks of contiguous units and their batch sizes under `budget_bytes`.
 
     models: (a, b) per unit, predicted peak bytes = a * batch + b (the Profiler's fits).
     batch_limit: the cap B on any batch size. rho: the grouping threshold (0.4 in the paper).
-    names: unit names, for error messages.
+    names: unit names, for error messages. floors: measured batch-1 peaks (see unit_batch_sizes).
     """
-    sizes = unit_batch_sizes(models, budget_bytes, batch_limit, names)
+    sizes = unit_batch_sizes(models, budget_bytes, batch_limit, names, floors)
     blocks = group(sizes, rho)
     log.info("partitioned %d units under %s (batch limit %d, rho %g): per-unit batches %s -> %d blocks %s",
              len(models), format_bytes(budget_bytes), batch_limit, rho, sizes, len(blocks),
@@ -167,10 +179,10 @@ def partition(models: Sequence[tuple[float, float]], budget_bytes: float, batch_
 
 def save_blocks(path: str | Path, blocks: Sequence[Block], meta: dict | None = None) -> None:
     """Write the blocks and `meta` (budget, limit, rho, per-unit batches, ...) as JSON, atomically."""
-    write_json(path, {"blocks": [b.to_dict() for b in blocks], "meta": meta or {}})
+    write_json(path, {"blocks": [b.to_dict() for b in blocks], "meta": meta or {}}, checksum=True)
 
 
 def load_blocks(path: str | Path) -> tuple[list[Block], dict]:
     """Read what save_blocks wrote: (blocks, meta)."""
-    data = read_json(path, "run the partition stage first (`dvc repro partition`)")
+    data = read_json(path, "run the partition stage first (`dvc repro partition`)", checksum=True)
     return [Block.from_dict(d) for d in data["blocks"]], data.get("meta", {})

@@ -8,10 +8,16 @@ optimizer step) is *measured* at each batch size with edgeflux.memory.measure_tr
 (exact live-tensor peak on CPU, allocator peak on CUDA), and a least-squares line
 peak = a * batch + b is fitted. The paper observes that this is linear; a poor fit (R² below
 `min_r2`) is an error rather than a silently wrong partition.
+
+The line is fitted where blocks train (batches 16..128 by default) and extrapolates badly to batch 1,
+where fixed scratch dominates (`profile/memory.json`: `batch1_peak_bytes` against slope + intercept). So each unit's
+step at batch 1 is measured too, as the block step train_blocks runs for a one-unit block
+(``measure_block_peak``): the least budget a unit needs is that figure, never the extrapolation.
 """
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -26,6 +32,7 @@ from edgeflux.models.units import UnitInfo, count_params
 from edgeflux.train import progress_bar
 
 from .aux import LocalLearner
+from .block import measure_block_peak
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +48,7 @@ class UnitProfile:
     slope_bytes_per_sample: float      # a, fitted
     intercept_bytes: float             # b, fitted
     r2: float
+    batch1_peak_bytes: int = 0         # measured: the one-unit block step at batch 1 (0: not measured)
     params: int = 0                    # unit + auxiliary net
     seconds: float = 0.0               # time spent measuring this unit
 
@@ -48,6 +56,11 @@ class UnitProfile:
     def model(self) -> tuple[float, float]:
         """(a, b): what the Partitioner takes."""
         return self.slope_bytes_per_sample, self.intercept_bytes
+
+    @property
+    def min_bytes(self) -> int:
+        """The least budget this unit trains under: its measured batch-1 step (the line's a + b if unmeasured)."""
+        return self.batch1_peak_bytes or math.ceil(self.slope_bytes_per_sample + self.intercept_bytes)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -118,14 +131,28 @@ def profile_units(learners: Sequence[LocalLearner], infos: Sequence[UnitInfo], n
                 peaks.append(int(mem.peak_bytes))
                 progress.advance(task)
             a, b, r2 = fit_unit(info.index, info.name, batches, peaks, min_r2)
+            batch1 = _batch1_block_peak(learner, optimizer_factory, info, num_classes, device,
+                                        data if info.index == 0 else None, context)
             p = UnitProfile(index=info.index, name=info.name, batches=list(batches), peak_bytes=peaks,
-                            slope_bytes_per_sample=a, intercept_bytes=b, r2=r2, params=count_params(learner),
-                            seconds=time.perf_counter() - start)
+                            slope_bytes_per_sample=a, intercept_bytes=b, r2=r2, batch1_peak_bytes=batch1,
+                            params=count_params(learner), seconds=time.perf_counter() - start)
             log.info("unit %d (%s): peak = %s/sample * batch + %s (R² %.5f; %s at batch %d), %.2fs", p.index,
                      p.name, format_bytes(a), format_bytes(b), r2, format_bytes(peaks[-1]), batches[-1], p.seconds)
             profiles.append(p)
     log.info("profiled %d units at batches %s in %.1fs", len(profiles), batches, profiling_seconds(profiles))
     return profiles
+
+
+def _batch1_block_peak(learner: LocalLearner, optimizer_factory, info: UnitInfo, num_classes: int, device,
+                       data: tuple[Tensor, Tensor] | None, context: StepContext | None) -> int:
+    """The measured peak of the step train_blocks runs for this unit alone at batch 1."""
+    if data is not None:
+        x, y = data[0][:1].clone(), data[1][:1].clone()
+    else:
+        gen = torch.Generator().manual_seed(1)
+        x, y = torch.randn(1, *info.in_shape, generator=gen), torch.randint(0, num_classes, (1,), generator=gen)
+    return int(measure_block_peak([learner], optimizer_factory, x, y, context=context, device=device,
+                                  process_stats=False).peak_bytes)
 
 
 def profiling_seconds(profiles: Sequence[UnitProfile]) -> float:
@@ -137,10 +164,10 @@ def save_profile(path: str | Path, profiles: Sequence[UnitProfile], meta: dict |
     """Write the profiles and `meta` (model, device, budget, ...) as JSON, atomically."""
     meta = dict(meta or {})
     meta.setdefault("profiling_seconds", profiling_seconds(profiles))
-    write_json(path, {"units": [p.to_dict() for p in profiles], "meta": meta})
+    write_json(path, {"units": [p.to_dict() for p in profiles], "meta": meta}, checksum=True)
 
 
 def load_profile(path: str | Path) -> tuple[list[UnitProfile], dict]:
     """Read what save_profile wrote: (profiles, meta)."""
-    data = read_json(path, "run the profile stage first (`dvc repro profile`)")
+    data = read_json(path, "run the profile stage first (`dvc repro profile`)", checksum=True)
     return [UnitProfile.from_dict(d) for d in data["units"]], data.get("meta", {})

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from edgeflux.artifacts import atomic_write, read_json, write_json
+from edgeflux.artifacts import CorruptFileError, atomic_write, read_json, write_json
 from edgeflux.checkpoint import run_signature, tensor_digest
 from edgeflux.memory import BudgetTooSmallError, format_bytes
 from edgeflux.step import StepContext, no_context
@@ -268,8 +268,11 @@ def _reuse_weights(files: _BlockFiles, block_sig: str, block_learners: Sequence[
 
 def _read_record(path: Path) -> dict | None:
     try:
-        return read_json(path, "no record of a finished block")
-    except (OSError, ValueError):   # absent or half-written: the block is not finished
+        return read_json(path, "the block is trained again", checksum=True)
+    except CorruptFileError as exc:   # edited or damaged: its result cannot be trusted
+        log.warning("%s", exc)
+        return None
+    except OSError:   # absent: the block is not finished
         return None
 
 
@@ -387,4 +390,4 @@ def _save_block(files: _BlockFiles, block_sig: str, learners: Sequence[LocalLear
     weights = buf.getvalue()
     atomic_write(files.weights, lambda p: p.write_bytes(weights))
     write_json(files.record, {"signature": block_sig, "weights_sha256": hashlib.sha256(weights).hexdigest(),
-                              "result": asdict(result)})
+                              "result": asdict(result)}, checksum=True)
