@@ -203,11 +203,13 @@ def model_fix(path: str | Path, stage: str = "<the stage that writes it>") -> st
 
 
 def load_model(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[nn.Module, dict]:
-    """Rebuild a model saved by ``save_model``; returns (model, meta)."""
+    """Rebuild a model saved by ``save_model``; returns (model, meta). The build_model arguments it was saved with
+    are ``model.build_args``."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such model file; run the stage that writes it (see dvc.yaml: `dvc repro`)")
     state = load_checked(path, model_fix(path), weights_only=True)
     model = build_model(**state["spec"])
     model.load_state_dict(state["state_dict"])
+    model.build_args = dict(state["spec"])
     return model.to(map_location), state["meta"]

@@ -21,13 +21,14 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from edgeflux.bittrain import BitTrainOptions as BitTrainParams
 from edgeflux.data import DATASETS
+from edgeflux.finetune import FinetuneOptions, MethodName
 from edgeflux.models import ModelSpec
 from edgeflux.neuroflux.aux import AUX_MODES
 from edgeflux.neuroflux.cache import CacheOptions as CacheParams
 from edgeflux.options import Bytes, Options as _Section, parse_bytes
 from edgeflux.train import MemoryOptions, TrainOptions
 
-__all__ = ["BitTrainParams", "Bytes", "CacheParams", "DataParams", "MemoryOptions", "ModelSpec", "NeuroFluxParams",
+__all__ = ["BitTrainParams", "Bytes", "CacheParams", "DataParams", "FinetuneParams", "MemoryOptions", "ModelSpec", "NeuroFluxParams",
            "Params", "ParamsError", "PretrainParams", "ReportParams", "TrainBPParams", "TrainOptions", "load_params",
            "parse_bytes", "validate"]
 
@@ -93,6 +94,20 @@ class NeuroFluxParams(TrainOptions, MemoryOptions):
         return sorted(set(batches))
 
 
+class FinetuneParams(FinetuneOptions):
+    """Fine-tuning a pretrained backbone on the device (target) data: one run per method (stage finetune)."""
+
+    model: str                                       # a key of pretrain.models: models/pretrained/<model>.pt
+    methods: list[MethodName] = Field(min_length=1)   # dvc.yaml runs the stage once per entry
+
+    @field_validator("methods")
+    @classmethod
+    def _unique(cls, methods: list[str]) -> list[str]:
+        if len(set(methods)) != len(methods):
+            raise ValueError("a method is listed twice")
+        return methods
+
+
 class ReportParams(_Section):
     target_acc: float = Field(0.8, gt=0, le=1)
 
@@ -102,6 +117,7 @@ class Params(_Section):
     pretrain: PretrainParams
     train_bp: TrainBPParams
     neuroflux: NeuroFluxParams = NeuroFluxParams()
+    finetune: FinetuneParams | None = None
     report: ReportParams = ReportParams()
 
 
@@ -147,10 +163,15 @@ def validate(raw: dict, where: str = "params.yaml") -> Params:
     if not isinstance(raw, dict):
         raise ParamsError(f"{where}: expected a mapping of stage sections, got {type(raw).__name__}")
     try:
-        return Params.model_validate(raw)
+        params = Params.model_validate(raw)
     except ValidationError as exc:
         lines = [_format_error(e, where, raw) for e in exc.errors()]
         raise ParamsError("\n".join(lines)) from None
+    keys = [m.key for m in params.pretrain.models]
+    if params.finetune is not None and params.finetune.model not in keys:
+        raise ParamsError(f"{where}: finetune.model = {params.finetune.model!r}: not a model the pretrain stage "
+                          f"trains; allowed: {', '.join(keys)} (the keys of pretrain.models)")
+    return params
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:

@@ -25,8 +25,8 @@ Curve = Path | tuple[list[float], list[float]]
 def summary_rows(metrics: dict[str, dict], curves: dict[str, Curve] | None = None,
                  target_acc: float | None = None) -> list[dict]:
     """One row per trained model, from `metrics`: stage name ("pretrain", "train_bp", "train_blocks",
-    "select_exit") -> that stage's metrics JSON as a dict; a stage missing from it has not run and gets
-    no row. 'to target s' is the training time until validation accuracy first reached target_acc,
+    "select_exit") -> that stage's metrics JSON as a dict, and "finetune" -> {method: its metrics}; a stage
+    missing from it has not run and gets no row. 'to target s' is the training time until validation accuracy first reached target_acc,
     from curves[stage] where the stage has one."""
     curves = curves or {}
     rows = []
@@ -41,6 +41,9 @@ def summary_rows(metrics: dict[str, dict], curves: dict[str, Curve] | None = Non
         to_target = _to_target(curves.get("train_blocks"), target_acc)
         row = {**m, "batch_size": "/".join(map(str, m["batch_sizes"]))}
         rows.append(_row("train_blocks (NeuroFlux)", "target (device)", m["model"], row, to_target))
+    for method, m in metrics.get("finetune", {}).items():
+        rows.append(_row(f"finetune {method}", "target (device)", m["model"], m,
+                         _to_target(curves.get(f"finetune {method}"), target_acc)))
     if "select_exit" in metrics:
         m = metrics["select_exit"]
         rows.append({"stage": "select_exit (NeuroFlux)", "data": "target (device)",

@@ -271,9 +271,10 @@ def fit(model: nn.Module, train: tuple[Tensor | Images, Tensor], val: tuple[Tens
                              context=context)(model.to(device))
     # What the run is: options, batch, how activations are saved, and the data (a checkpoint of a run on a
     # split prepared differently since is not resumed). Not the starting weights: a fresh process builds
-    # them anew; a caller fine-tuning loaded weights adds their identity to `signature`.
-    signature = signature or run_signature(opts=opts.model_dump(), batch_size=batch_size, context=_describe(context),
-                                           data=tensor_digest(x_train, y_train, *val))
+    # them anew; a caller fine-tuning loaded weights passes their identity (and its method) as `signature`.
+    parts = dict(opts=opts.model_dump(), batch_size=batch_size, context=_describe(context),
+                 data=tensor_digest(x_train, y_train, *val))
+    signature = run_signature(**parts, start=signature) if signature else run_signature(**parts)
 
     def evaluate_now() -> dict:
         row = {"val_acc": evaluate(model, *val, batch_size=batch_size, device=device)}

@@ -34,8 +34,8 @@ def stage_graph(dvc_yaml: Path = Path("dvc.yaml")) -> dict[str, set[str]]:
     graph = {}
     for name, s in stages.items():
         deps = _paths(s.get("deps"))
-        graph[name] = {producer for out, producer in produced.items()
-                       for d in deps if producer != name and (d == out or d.startswith(out.rstrip("/") + "/"))}
+        graph[name] = {producer for out, producer in produced.items() for d in deps if producer != name
+                       and (d == out or d.startswith(out.rstrip("/") + "/") or out.startswith(d.rstrip("/") + "/"))}
     return graph
 
 

@@ -22,6 +22,7 @@ STAGE_CURVES = {"train_bp": Path("plots/train_bp.csv"), "train_blocks": Path("pl
 TRAIN_BP_MEMORY = Path("memory/train_bp.json")
 MEMORY_SOURCES = {"train_bp_memory": TRAIN_BP_MEMORY, "train_blocks": METRICS["train_blocks"]}
 CURVES = {"backprop (train_bp)": STAGE_CURVES["train_bp"], "NeuroFlux (train_blocks)": STAGE_CURVES["train_blocks"]}
+FINETUNE_METRICS, FINETUNE_CURVES = Path("metrics/finetune"), Path("plots/finetune")   # <method>.json / .csv
 
 
 def read_existing(paths: dict[str, Path]) -> dict[str, dict]:
@@ -44,14 +45,18 @@ def main(args, params) -> None:
     from edgeflux.tracking import stage_run
 
     with stage_run("report", params.report.model_dump()) as run:
-        rows = summary_rows(read_existing(METRICS), STAGE_CURVES, target_acc=params.report.target_acc)
+        metrics, curves, plotted = read_existing(METRICS), dict(STAGE_CURVES), dict(CURVES)
+        for method in params.finetune.methods if params.finetune else []:   # the methods in params, not stale files
+            metrics.setdefault("finetune", {}).update(read_existing({method: FINETUNE_METRICS / f"{method}.json"}))
+            curves[f"finetune {method}"] = plotted[f"fine-tune {method}"] = FINETUNE_CURVES / f"{method}.csv"
+        rows = summary_rows(metrics, curves, target_acc=params.report.target_acc)
         SUMMARY.parent.mkdir(parents=True, exist_ok=True)
         SUMMARY.write_text("# edgeflux pipeline summary\n\n" + markdown_table(rows)
                            + f"\n'to target s': training time until validation accuracy first reached "
                              f"{params.report.target_acc:.0%}. "
                              "Peaks are measured: the allocator's peak over a steady-state training step "
                              "(the CPU allocator's events on CPU, the CUDA allocator's counter on GPU).\n")
-        plot_accuracy_vs_time(CURVES, PLOT, target_acc=params.report.target_acc)
+        plot_accuracy_vs_time(plotted, PLOT, target_acc=params.report.target_acc)
         if panels := memory_panels(**read_existing(MEMORY_SOURCES)):
             plot_bar_panels(panels, MEMORY_PLOT, title="edgeflux pipeline: measured training memory")
         for path in (SUMMARY, PLOT, MEMORY_PLOT):

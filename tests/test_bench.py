@@ -144,3 +144,41 @@ def test_batch_throughput_quick_gives_backprop_a_ceiling(tmp_path):
     assert ceiling["neuroflux_speedup_vs_backprop"] == 1.5
     assert "x1.50" in (tmp_path / "batch_throughput.md").read_text()
     assert (tmp_path / "batch_throughput.png").stat().st_size > 10_000
+
+
+def test_mobiletl_quick_measures_blocks_transfer_and_budget(tmp_path):
+    cmd = [sys.executable, "bench/mobiletl.py", "--quick", "--threads", "1", "--out", str(tmp_path)]
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True, timeout=600)
+    result = json.loads((tmp_path / "mobiletl.json").read_text())
+    assert "--quick" in result["command"]
+    rows = result["rows"]
+    keys = {"case", "model", "method", "blocks", "bittrain", "batch", "peak_bytes", "saved_bytes", "flops",
+            "train_params", "test_acc", "step_time_s"}
+    assert all(set(r) == keys for r in rows)
+    assert {r["case"] for r in rows} == {"block", "transfer", "budget"}
+    block = {(r["model"], r["method"], r["bittrain"]): r for r in rows if r["case"] == "block"}
+    assert set(block) == {(m, t, b) for m in ("conv_block", "mbv2_irb", "mbv3_irb") for t in ("vanilla", "mobiletl")
+                          for b in (False, True)}
+    for irb in ("mbv2_irb", "mbv3_irb"):   # shift-only BatchNorms and 1-bit activation masks save less
+        assert block[(irb, "mobiletl", False)]["saved_bytes"] < block[(irb, "vanilla", False)]["saved_bytes"]
+        assert block[(irb, "mobiletl", False)]["peak_bytes"] < block[(irb, "vanilla", False)]["peak_bytes"]
+    methods = {"ft_all", "ft_last", "ft_bn", "ft_bias", "ft_blocks", "mobiletl"}
+    transfer = {(r["method"], r["bittrain"]): r for r in rows if r["case"] == "transfer"}
+    assert set(transfer) == {(m, False) for m in methods} | {("mobiletl", True)}
+    for r in transfer.values():
+        assert r["batch"] == 8 and r["peak_bytes"] > 0 and r["flops"] > 0 and 0 <= r["test_acc"] <= 1
+        assert r["step_time_s"] > 0 and r["train_params"] > 0
+        assert (r["blocks"] == 3) == (r["method"] in ("ft_blocks", "mobiletl"))
+    # fewer trainable parameters and less saved than FT-All; the counted backward of 3 blocks is cheaper too
+    assert transfer[("mobiletl", False)]["train_params"] < transfer[("ft_all", False)]["train_params"]
+    assert transfer[("mobiletl", False)]["saved_bytes"] < transfer[("ft_blocks", False)]["saved_bytes"]
+    assert transfer[("mobiletl", False)]["flops"] < transfer[("ft_all", False)]["flops"]
+    [budget] = result["budgets"].values()
+    budget_rows = [r for r in rows if r["case"] == "budget"]
+    assert {r["method"] for r in budget_rows} == methods
+    for r in budget_rows:   # each method at the largest batch whose measured step fits the budget
+        assert r["peak_bytes"] <= budget and r["batch"] >= 1
+    by_method = {r["method"]: r["batch"] for r in budget_rows}
+    assert by_method["mobiletl"] >= by_method["ft_all"]
+    assert "| MobileTL-3BLKs |" in (tmp_path / "mobiletl.md").read_text()
+    assert (tmp_path / "mobiletl.png").stat().st_size > 10_000

@@ -131,3 +131,20 @@ def test_an_exponent_yaml_reads_as_text_gets_a_hint():
     assert raw["pretrain"]["lr"] == "1e-3"
     with pytest.raises(ParamsError, match=r"pretrain.lr = '1e-3'.*write it as 0.001 or with a dot, like 1.0e-3"):
         validate(raw, where="params.yaml")
+
+
+def test_finetune_section_names_a_pretrained_model_and_known_methods():
+    raw = copy.deepcopy(MINIMAL)
+    raw["finetune"] = {"model": "resnet18-w0.25", "methods": ["mobiletl", "ft_all"], "budget": "64MB"}
+    params = validate(raw)
+    assert params.finetune.methods == ["mobiletl", "ft_all"] and params.finetune.blocks == 3
+    raw["finetune"]["model"] = "mobilenet_v2-w0.5"
+    with pytest.raises(ParamsError, match=r"finetune.model = 'mobilenet_v2-w0.5': not a model the pretrain stage "
+                                          r"trains; allowed: resnet18-w0.25"):
+        validate(raw)
+    raw["finetune"].update(model="resnet18-w0.25", methods=["mobiletl", "ft_everything"])
+    with pytest.raises(ParamsError, match=r"finetune.methods.1 = 'ft_everything'.*'ft_all'.*'mobiletl'"):
+        validate(raw)
+    raw["finetune"]["methods"] = ["ft_all", "ft_all"]
+    with pytest.raises(ParamsError, match="a method is listed twice"):
+        validate(raw)

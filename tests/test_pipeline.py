@@ -16,8 +16,11 @@ pytestmark = pytest.mark.slow
 
 QUICK = {
     "data": {"dataset": "mnist-subset", "seed": 0},
-    "pretrain": {"models": [{"name": "vgg11", "width": 0.125}], "epochs": 1, "max_train_samples": 400,
-                 "batch_size": 64, "evals_per_epoch": 1, "device": "cpu"},
+    "pretrain": {"models": [{"name": "vgg11", "width": 0.125}, {"name": "mobilenet_v2", "width": 0.25}], "epochs": 1,
+                 "max_train_samples": 400, "batch_size": 64, "evals_per_epoch": 1, "device": "cpu"},
+    "finetune": {"model": "mobilenet_v2-w0.25", "methods": ["mobiletl", "ft_all"], "budget": "8MB", "max_batch": 64,
+                 "epochs": 1, "max_train_samples": 400, "evals_per_epoch": 1, "calibration_batches": 2,
+                 "device": "cpu"},
     "train_bp": {"model": {"name": "vgg11", "width": 0.125}, "budget": "3MB", "max_batch": 64, "epochs": 1,
                  "max_train_samples": 400, "evals_per_epoch": 2, "device": "cpu"},
     "neuroflux": {"model": {"name": "vgg11", "width": 0.125}, "budget": "2MB", "max_batch": 64, "epochs": 1,
@@ -55,7 +58,7 @@ def project(tmp_path_factory):
 
 def test_repro_then_noop_then_exp_run(project):
     first = sh("dvc repro", project)
-    for stage in ("prepare", "pretrain", "train_bp", *NEUROFLUX, "report"):
+    for stage in ("prepare", "pretrain", "train_bp", *NEUROFLUX, "finetune@mobiletl", "finetune@ft_all", "report"):
         assert f"Running stage '{stage}'" in first.stdout
     metrics = json.loads((project / "metrics/train_bp.json").read_text())
     assert metrics["peak_mem_bytes"] <= metrics["budget_bytes"] == 3_000_000
@@ -84,6 +87,13 @@ def test_repro_then_noop_then_exp_run(project):
     assert compact(torch.zeros(2, 1, 32, 32)).shape == (2, 10)
     assert "select_exit (NeuroFlux)" in (project / "reports/summary.md").read_text()
 
+    # fine-tuning: both methods within the budget, MobileTL at a batch at least FT-All's, one report row each
+    tuned = {m: json.loads((project / f"metrics/finetune/{m}.json").read_text()) for m in ("mobiletl", "ft_all")}
+    assert all(t["peak_mem_bytes"] <= t["budget_bytes"] == 8_000_000 for t in tuned.values())
+    assert tuned["mobiletl"]["batch_size"] >= tuned["ft_all"]["batch_size"]
+    assert tuned["mobiletl"]["train_params"] < tuned["ft_all"]["train_params"] == tuned["ft_all"]["params"]
+    assert "| finetune mobiletl | target (device) | mobilenet_v2-w0.25 |" in (project / "reports/summary.md").read_text()
+
     second = sh("dvc repro", project)
     assert "Running stage" not in second.stdout
     assert "Data and pipelines are up to date" in second.stdout
@@ -108,7 +118,8 @@ def test_repro_then_noop_then_exp_run(project):
     first_children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") in parents]
     assert len(parents) == 2  # the first repro and the exp run
     assert sorted(r.data.tags["edgeflux.stage"] for r in first_children) == sorted(
-        ["prepare", "pretrain", "train_bp", *NEUROFLUX, "report", "train_bp", "report"])
+        ["prepare", "pretrain", "train_bp", *NEUROFLUX, "finetune@mobiletl", "finetune@ft_all", "report", "train_bp",
+         "report"])
     bp = [r for r in first_children if r.data.tags["edgeflux.stage"] == "train_bp"]
     assert {r.data.params["lr"] for r in bp} == {"0.05", "0.01"}
     assert all(r.data.metrics["peak_mem_bytes"] <= 3_000_000 for r in bp)
@@ -218,7 +229,8 @@ def test_stage_graph_is_read_from_dvc_yaml():
     assert graph == {"prepare": set(), "pretrain": {"prepare"}, "train_bp": {"prepare"},
                      "profile": {"prepare"}, "partition": {"profile"},
                      "train_blocks": {"prepare", "profile", "partition"}, "select_exit": {"prepare", "train_blocks"},
-                     "report": {"pretrain", "train_bp", "train_blocks", "select_exit"}}
+                     "finetune": {"prepare", "pretrain"},
+                     "report": {"pretrain", "train_bp", "train_blocks", "select_exit", "finetune"}}
     assert stages_for("select_exit", graph) == ["prepare", "profile", "partition", "train_blocks", "select_exit"]
     assert stages_for("train_bp", graph) == ["prepare", "train_bp"]
     assert stages_for(None, graph)[-1] == "report"
@@ -277,7 +289,8 @@ def test_every_stage_depends_on_the_code_it_runs():
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
     for name, stage in stages.items():
         deps = [d if isinstance(d, str) else next(iter(d)) for d in stage.get("deps", [])]
-        module = stage["cmd"].split()[-1]
+        cmd = stage["cmd"].split()
+        module = cmd[cmd.index("-m") + 1]
         needed = _library_closure(_imported_files(REPO / (module.replace(".", "/") + ".py"))) - PLUMBING
         if stage.get("params"):   # params are read, checked and defaulted by edgeflux/config.py
             needed.add("edgeflux/config.py")

@@ -35,7 +35,7 @@ def test_report_stage_reads_the_files_dvc_yaml_lists_as_its_deps():
     deps = yaml.safe_load((Path(__file__).resolve().parents[1] / "dvc.yaml").read_text())["stages"]["report"]["deps"]
     data_deps = {Path(d) for d in deps if not d.startswith(("stages/", "edgeflux/"))}
     reads = {*report.METRICS.values(), *report.STAGE_CURVES.values(), *report.MEMORY_SOURCES.values(),
-             *report.CURVES.values()}
+             *report.CURVES.values(), report.FINETUNE_METRICS, report.FINETUNE_CURVES}
     assert reads == data_deps
 
 
@@ -105,3 +105,14 @@ def test_bar_panel_rejects_series_of_the_wrong_length():
 
     with pytest.raises(ValueError, match="series 'a' has 1 values for 2 categories"):
         BarPanel("t", ["x", "y"], {"a": [1.0]})
+
+
+def test_finetune_methods_get_a_row_each():
+    from edgeflux.report import summary_rows
+
+    m = {"model": "mobilenet_v2-w0.5", "batch_size": 16, "budget_bytes": 64_000_000, "peak_mem_bytes": 62_000_000,
+         "train_time_s": 30.0, "test_acc": 0.87}
+    rows = summary_rows({"finetune": {"mobiletl": {**m, "batch_size": 128}, "ft_all": m}},
+                        {"finetune mobiletl": ([1.0, 2.0], [0.8, 0.9])}, target_acc=0.85)
+    assert [(r["stage"], r["batch"], r["to target s"]) for r in rows] == [("finetune mobiletl", 128, "2.0"),
+                                                                         ("finetune ft_all", 16, "-")]

@@ -8,11 +8,12 @@
     training_step_fn(model, opt, x, y, context=opts.context)   # as an edgeflux.memory StepContext
 
 Modules: bitmap (the format), hooks (saved-tensor hooks), packed (what the hooks store, accounting),
-doublemask (BatchNorm / activation mask propagation). Unit attribution: edgeflux.memory.UnitTracker.
+doublemask (BatchNorm / activation mask propagation). pack_mask/unpack_mask: 1-bit masks
+(8 elements per byte), also what MobileTL's sign-backward activations keep. Unit attribution: edgeflux.memory.UnitTracker.
 """
 from __future__ import annotations
 
-from .bitmap import BitmapTensor, FloatTensorRequired, compress, theoretical_bytes
+from .bitmap import BitmapTensor, FloatTensorRequired, compress, pack_mask, theoretical_bytes, unpack_mask
 from .hooks import CompressedActivations, SavedTensorModifiedError, UnitStats, compressed_activations
 from .options import BitTrainOptions
 
@@ -25,5 +26,7 @@ __all__ = [
     "UnitStats",
     "compress",
     "compressed_activations",
+    "pack_mask",
     "theoretical_bytes",
+    "unpack_mask",
 ]

@@ -49,7 +49,7 @@ from torch import Tensor
 from . import kernel
 
 __all__ = ["BitmapTensor", "compress", "compress_if_smaller", "count_kept", "theoretical_bytes", "FloatTensorRequired",
-           "dense_in_memory", "flat_view", "pack_bits", "unpack_bits"]
+           "dense_in_memory", "flat_view", "pack_bits", "pack_mask", "unpack_bits", "unpack_mask"]
 
 # _UNPACK[b] is an int64 whose 8 bytes are the bits of b (byte k = bit k): one gather per byte
 _UNPACK: dict[torch.device, Tensor] = {}
@@ -169,6 +169,22 @@ def unpack_bits(bitmap: Tensor, n: int) -> Tensor:
     """uint8 bitmap -> bool mask of n elements (a gather from a 256-entry table of 8-byte patterns)."""
     table = _unpack_table(bitmap.device)
     return table.index_select(0, bitmap.to(torch.int32)).view(torch.bool)[:n]
+
+
+def pack_mask(mask: Tensor) -> Tensor:
+    """A bool tensor as a 1-bit mask: uint8, 8 elements per byte in memory order (element i is bit i % 8
+    of byte i // 8), ceil(numel / 8) bytes. What a backward that reads only "where" needs to keep
+    (BitTrain's double mask, MobileTL's sign-backward activations); ``unpack_mask`` inverts it."""
+    flat = mask.reshape(-1)
+    n = flat.numel()
+    padded = torch.zeros(math.ceil(n / 8) * 8, dtype=torch.bool, device=mask.device)
+    padded[:n] = flat
+    return pack_bits(padded)
+
+
+def unpack_mask(bitmap: Tensor, shape: tuple[int, ...] | torch.Size) -> Tensor:
+    """The bool tensor of ``shape`` (contiguous) that ``pack_mask`` packed into ``bitmap``."""
+    return unpack_bits(bitmap, math.prod(shape)).view(shape)
 
 
 def _unpack_int32(bitmap: Tensor, n: int) -> Tensor:

@@ -62,7 +62,7 @@ from torch import Tensor, nn
 from edgeflux.memory import check_saved_version
 
 from . import kernel
-from .bitmap import BitmapTensor, flat_view, pack_bits, unpack_bits
+from .bitmap import BitmapTensor, flat_view, pack_mask, unpack_bits
 from .packed import Kept, Packed, UnitStats, version_source
 
 if TYPE_CHECKING:
@@ -150,9 +150,7 @@ class _MaskOnly:
             if kernel.usable(flat):
                 self.bitmap, _ = kernel.range_mask(flat, self.lo, self.hi)
             else:
-                padded = torch.zeros(math.ceil(n / 8) * 8, dtype=torch.bool, device=c.device)
-                padded[:n] = _passes(flat, self.lo, self.hi)
-                self.bitmap = pack_bits(padded)
+                self.bitmap = pack_mask(_passes(flat, self.lo, self.hi))
         # not in numel/nnz/theoretical_bytes: the copy is never a bitmap candidate (and counting its
         # non-zeros would cost one more pass over it)
         s.tensors += 1

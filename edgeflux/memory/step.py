@@ -73,6 +73,12 @@ def _unique_bytes(tensors: Iterable[Tensor]) -> int:
     return sum(storages.values())
 
 
+def _held_tensors(model: nn.Module) -> list[Tensor]:
+    """State a module holds outside its parameters and buffers, which it lists in ``held_tensors()``
+    (edgeflux.mobiletl.FrozenBottom: a frozen int8 network): counted with the buffers."""
+    return [t for m in model.modules() if hasattr(m, "held_tensors") for t in m.held_tensors()]
+
+
 def _parameters(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> list[Tensor]:
     params = list(model.parameters()) if model is not None else []
     if optimizer is not None:
@@ -98,7 +104,7 @@ def measure_step(step: Callable[[], Any], *, model: nn.Module | None = None, opt
     if units is None and model is not None and hasattr(model, "units") and hasattr(model, "unit_names"):
         units = list(zip(model.unit_names, model.units))
     params = _parameters(model, optimizer)
-    buffers = list(model.buffers()) if model is not None else []
+    buffers = [*model.buffers(), *_held_tensors(model)] if model is not None else []
 
     if device.type == "cpu":
         for p in params:      # what the step's zero_grad(set_to_none=True) frees first (see module docstring)

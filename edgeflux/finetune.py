@@ -1,0 +1,215 @@
+"""Fine-tuning a pretrained model on the device: one harness, one ``method`` per run.
+
+    model, _ = load_model("models/pretrained/mobilenet_v2-w0.5.pt")
+    run = finetune(model, "mobiletl", opts, train, val, test, device)    # opts: FinetuneOptions
+    run.metrics()        # test accuracy, measured peak and saved bytes, trainable params, counted FLOPs, step time
+
+A method only decides what trains and how (``METHODS``: model in, ``Prepared`` out); everything else is
+shared, so the methods compare under the same budget: the batch is the largest whose measured step fits
+``budget`` (``edgeflux.backprop.train_under_budget``, the one training loop), BitTrain and fp16 storage
+apply to whatever the method still saves, and the accounting is the same for all.
+
+Methods (the paper's baselines, Table 3, beside MobileTL):
+
+* ``ft_all``: every parameter trains, BatchNorm statistics update.
+* ``ft_last``: the classifier only; the rest frozen (eval mode, no graph).
+* ``ft_bn``: BatchNorm scales and shifts (statistics update) and the classifier.
+* ``ft_bias``: biases only (TinyTL-B): every BatchNorm shift-only (nothing saved, edgeflux.mobiletl.ops),
+  conv/linear biases, and the classifier.
+* ``ft_blocks``: the top ``blocks`` blocks, the last conv and the classifier, vanilla; the bottom frozen.
+* ``mobiletl``: the same top blocks with the MobileTL transform, the bottom frozen in int8
+  (``quantize_bottom``).
+
+In every setting the classifier trains; in the block-wise ones the last 1x1 conv (the paper's "feature
+fusion layer") does too.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode, conv_flop_count
+
+from edgeflux.backprop import BudgetedRun, train_under_budget
+from edgeflux.checkpoint import run_signature
+from edgeflux.data import Images
+from edgeflux.mobiletl import quantize_bottom, replace_module, shift_only, top_start, transform_block
+from edgeflux.models import UnitModel, count_params
+from edgeflux.models.units import freeze, train_mode
+from edgeflux.train import MemoryOptions, TrainOptions
+
+log = logging.getLogger(__name__)
+
+__all__ = ["METHODS", "METHOD_NAMES", "FinetuneOptions", "FinetuneRun", "Prepared", "count_flops", "finetune",
+           "prepare"]
+
+
+@dataclass
+class Prepared:
+    """What a method hands the harness: the module that trains (sharing its trainable modules with the
+    float model it was given) and what it did."""
+    model: nn.Module
+    info: dict = field(default_factory=dict)
+
+
+def _trainable(modules, flag: bool = True) -> None:
+    for m in modules:
+        m.requires_grad_(flag)
+
+
+def ft_all(model: UnitModel, opts: FinetuneOptions, calibration: list[Tensor], device: torch.device) -> Prepared:
+    return Prepared(model)
+
+
+def ft_last(model: UnitModel, opts: FinetuneOptions, calibration: list[Tensor], device: torch.device) -> Prepared:
+    for unit in model.units[:-1]:
+        freeze(unit)
+    return Prepared(model, {"trains": [model.unit_names[-1]]})
+
+
+def ft_bn(model: UnitModel, opts: FinetuneOptions, calibration: list[Tensor], device: torch.device) -> Prepared:
+    model.requires_grad_(False)
+    _trainable(m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
+    _trainable([model.units[-1]])
+    return Prepared(model)
+
+
+def ft_bias(model: UnitModel, opts: FinetuneOptions, calibration: list[Tensor], device: torch.device) -> Prepared:
+    model.requires_grad_(False)
+    norms = [name for name, m in model.named_modules() if isinstance(m, nn.BatchNorm2d)]
+    for name in norms:
+        replace_module(model, name, shift_only)
+    _trainable(m.bias for m in model.modules() if isinstance(getattr(m, "bias", None), nn.Parameter))
+    _trainable([model.units[-1]])
+    return Prepared(model, {"shift_only_norms": len(norms)})
+
+
+def ft_blocks(model: UnitModel, opts: FinetuneOptions, calibration: list[Tensor], device: torch.device) -> Prepared:
+    start = top_start(model, opts.blocks)
+    for unit in model.units[:start]:
+        freeze(unit)
+    return Prepared(model, {"trains": model.unit_names[start:]})
+
+
+def mobiletl(model: UnitModel, opts: FinetuneOptions, calibration: list[Tensor], device: torch.device) -> Prepared:
+    start = top_start(model, opts.blocks, irb_only=True)
+    changed = {name: transform_block(unit) for name, unit, kind in
+               zip(model.unit_names[start:], model.units[start:], model.unit_kinds[start:]) if kind == "inverted_residual"}
+    info = {"trains": model.unit_names[start:], "transformed": changed}
+    for unit in model.units[:start]:
+        freeze(unit)          # (with quantize_bottom the float copies are not run, but they do not train either)
+    if not opts.quantize_bottom:
+        return Prepared(model, info)
+    bottom = quantize_bottom(list(zip(model.unit_names[:start], model.units[:start])), calibration, device)
+    info.update(bottom_int8=bottom.int8, bottom_float_units=bottom.float_units)
+    top = list(zip(model.unit_names[start:], model.unit_kinds[start:], model.units[start:]))
+    net = UnitModel(model.name, [("bottom", "conv", bottom), *top], num_classes=model.num_classes,
+                    in_channels=model.in_channels, image_size=model.image_size, width=model.width)
+    return Prepared(net, info)
+
+
+METHODS: dict[str, Callable[[UnitModel, FinetuneOptions, list[Tensor], torch.device], Prepared]] = {
+    "ft_all": ft_all, "ft_last": ft_last, "ft_bn": ft_bn, "ft_bias": ft_bias, "ft_blocks": ft_blocks,
+    "mobiletl": mobiletl,
+}
+METHOD_NAMES = tuple(METHODS)
+
+
+class FinetuneOptions(TrainOptions, MemoryOptions):
+    """The options every fine-tuning method takes (params.yaml's ``finetune`` section, `model` and
+    `methods` aside)."""
+
+    blocks: int = Field(3, ge=1)             # block-wise methods: the top `blocks` blocks train
+    quantize_bottom: bool = True             # mobiletl: the frozen bottom runs in int8
+    calibration_batches: int = Field(8, ge=1)   # target batches (of 32) that calibrate the int8 bottom
+
+
+def prepare(method: str, model: UnitModel, opts: FinetuneOptions, calibration: list[Tensor],
+            device: torch.device | str = "cpu") -> Prepared:
+    """Apply ``method`` to ``model`` in place (freezing, transforms); returns the module to train."""
+    if method not in METHODS:
+        raise ValueError(f"finetune method {method!r} is unknown; allowed: {', '.join(METHOD_NAMES)}")
+    return METHODS[method](model.to(device), opts, calibration, torch.device(device))
+
+
+def _conv_backward_flops(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation, transposed,
+                         _output_padding, _groups, output_mask, out_shape=None, **kwargs) -> int:
+    # torch's own formula leaves groups out of the weight gradient, counting a depthwise conv's C times over;
+    # the input gradient and the weight gradient each take the multiply-adds of the forward conv
+    forward = conv_flop_count(x_shape, w_shape, grad_out_shape, transposed)
+    return forward * (int(output_mask[0]) + int(output_mask[1]))
+
+
+def count_flops(float_model: nn.Module, trained: nn.Module, x: Tensor, y: Tensor) -> tuple[int, int]:
+    """(forward, backward) FLOPs of one training step, counted (torch.utils.flop_counter: convolutions and
+    matrix products, 2 per multiply-add), not timed. The forward is counted on the float model: an int8
+    bottom does the same multiply-adds, in int8, which the counter does not see. Copies; the models stay."""
+    with FlopCounterMode(display=False) as forward, torch.no_grad():
+        copy.deepcopy(float_model).eval()(x)
+    net = train_mode(copy.deepcopy(trained))
+    loss = F.cross_entropy(net(x), y)
+    with FlopCounterMode(display=False, custom_mapping={torch.ops.aten.convolution_backward: _conv_backward_flops}) \
+            as backward:
+        loss.backward()
+    return forward.get_total_flops(), backward.get_total_flops()
+
+
+FLOPS_BATCH = 8   # FLOPs are counted on a batch of this size and reported per sample
+
+
+@dataclass
+class FinetuneRun:
+    method: str
+    run: BudgetedRun
+    train_params: int
+    total_params: int
+    flops_forward: int      # per sample, counted
+    flops_backward: int     # per sample, counted
+    info: dict
+
+    def metrics(self) -> dict:
+        """The shared metric names (edgeflux.backprop.BudgetedRun.metrics), plus the fine-tuning accounting."""
+        steps = max(1, self.run.train.steps)
+        return {**self.run.metrics(), "method": self.method, "params": self.total_params,
+                "train_params": self.train_params, "flops_forward_per_sample": self.flops_forward,
+                "flops_backward_per_sample": self.flops_backward,
+                "flops_per_sample": self.flops_forward + self.flops_backward,
+                "step_time_s": self.run.train.train_time_s / steps}
+
+
+def file_digest(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def calibration_batches(x: Tensor | Images, n: int, size: int = 32) -> list[Tensor]:
+    return [x[i:i + size] for i in range(0, min(len(x), n * size), size)]
+
+
+def finetune(model: UnitModel, method: str, opts: FinetuneOptions, train: tuple, val: tuple, test: tuple,
+             device: torch.device | str = "cpu", checkpoint: Path | None = None, start: str = "") -> FinetuneRun:
+    """Fine-tune ``model`` (in place: its trainable modules end with the fine-tuned weights) with ``method``
+    under ``opts.budget``. start: the identity of the starting weights (e.g. the pretrained file's digest),
+    for the checkpoint's signature."""
+    device = torch.device(device)
+    prepared = prepare(method, model, opts, calibration_batches(train[0], opts.calibration_batches), device)
+    net = prepared.model
+    run = train_under_budget(net, train, val, test, model.num_classes, opts, opts, device, checkpoint=checkpoint,
+                             desc=f"finetune {method}", context=opts.bittrain.context,
+                             signature=run_signature(method=method, start=start, info=prepared.info))
+    n = min(FLOPS_BATCH, len(train[1]))
+    fwd, bwd = count_flops(model, net, train[0][:n].to(device), train[1][:n].to(device))
+    return FinetuneRun(method, run, count_params(net, trainable_only=True), count_params(model), fwd // n, bwd // n,
+                       prepared.info)
+
+
+# the literal of method names, for params validation
+MethodName = Literal[METHOD_NAMES]

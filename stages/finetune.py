@@ -1,0 +1,66 @@
+"""Stage finetune: fine-tune a pretrained backbone on the device (target) data under a memory budget, one method a run.
+
+dvc.yaml runs it once per entry of finetune.methods (stages finetune@mobiletl, finetune@ft_all, ...;
+`dvc repro finetune` runs them all). The backbone is models/pretrained/<finetune.model>.pt from the
+pretrain stage; the batch is the largest whose measured training step fits finetune.budget, with
+finetune.bittrain applied to what the method still saves. Methods: edgeflux/finetune.py.
+
+Writes models/finetune/<method>.pt (the float model with the fine-tuned weights; it loads into the plain
+architecture), metrics/finetune/<method>.json (test accuracy, measured peak and saved bytes, trainable
+parameters, counted FLOPs, step time), plots/finetune/<method>.csv (accuracy vs training time) and
+memory/finetune/<method>.json (the measurements behind the batch size).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from edgeflux.artifacts import load_model, model_fix, save_model, write_json
+from edgeflux.data import load_prepared, tensors
+from edgeflux.finetune import METHOD_NAMES, file_digest, finetune
+from edgeflux.tracking import stage_run
+from edgeflux.train import resolve_device
+from stages.common import peak_rss_bytes, run_stage, stage_parser, write_history_csv
+
+PRETRAINED = Path("models/pretrained")
+CHECKPOINTS = Path(".edgeflux/checkpoints/finetune")   # <method>.pt: an interrupted run resumes from its last epoch
+
+
+def parser():
+    p = stage_parser(__doc__)
+    p.add_argument("--method", required=True, choices=METHOD_NAMES, help="the fine-tuning method to run")
+    return p
+
+
+def main(args, params) -> None:
+    p, method = params.finetune, args.method
+    if p is None:
+        raise FileNotFoundError("params.yaml has no finetune section; add one (see the default params.yaml)")
+    source = PRETRAINED / f"{p.model}.pt"
+    if not source.exists():
+        raise FileNotFoundError(f"{source}: no pretrained model {p.model!r}; run `dvc repro pretrain` first")
+    model, _ = load_model(source)
+    data = load_prepared(Path("data/prepared"))
+    if model.num_classes != len(data.classes):
+        raise FileNotFoundError(f"{source} has {model.num_classes} classes and data/prepared {len(data.classes)}: "
+                                f"{model_fix(source, 'pretrain')}")
+    device = resolve_device(p.device)
+    train = tensors(data, "target_train", limit=p.max_train_samples)
+    outputs = {kind: Path(f"{kind}/finetune/{method}.{ext}")
+               for kind, ext in (("metrics", "json"), ("plots", "csv"), ("memory", "json"), ("models", "pt"))}
+    with stage_run(f"finetune@{method}", {**p.model_dump(), "method": method}) as run:
+        result = finetune(model, method, p, train, tensors(data, "target_val"), tensors(data, "target_test"), device,
+                          checkpoint=CHECKPOINTS / f"{method}.pt", start=file_digest(source))
+        metrics = {"model": p.model, "device": str(device), **result.metrics(), "peak_rss_bytes": peak_rss_bytes()}
+        write_json(outputs["metrics"], metrics)
+        write_json(outputs["memory"], {**result.run.memory_report(), "method_info": result.info})
+        write_history_csv(outputs["plots"], result.run.train.history)
+        save_model(outputs["models"], model, model.build_args, meta={"stage": "finetune", **metrics,
+                                                                  "method_info": result.info})
+        run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+        run.log_history(result.run.train.history)
+        for kind in ("metrics", "memory", "plots"):
+            run.log_artifact(outputs[kind])
+
+
+if __name__ == "__main__":
+    run_stage(main, parser(), resumes=True)
