@@ -343,11 +343,9 @@ def warn_diverged(what: str, run) -> bool:
     return True
 
 
-def step_flops(metrics: dict) -> int | None:
+def step_flops(metrics: dict) -> int:
     """Counted FLOPs of one training step at the run's batch, from a FinetuneRun's metrics (counted per sample)."""
-    if "flops_per_sample" in metrics:
-        return metrics["flops_per_sample"] * metrics["batch_size"]
-    return metrics.get("flops")
+    return metrics["flops_per_sample"] * metrics["batch_size"]
 
 
 # ----------------------------------------------------------------------------- report

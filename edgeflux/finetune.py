@@ -61,9 +61,9 @@ class Prepared:
     info: dict = field(default_factory=dict)
 
 
-def _trainable(modules, flag: bool = True) -> None:
+def _trainable(modules) -> None:
     for m in modules:
-        m.requires_grad_(flag)
+        m.requires_grad_(True)
 
 
 def ft_all(model: UnitModel, opts: FinetuneOptions, calibration: list[Tensor], device: torch.device) -> Prepared:
@@ -122,6 +122,7 @@ METHODS: dict[str, Callable[[UnitModel, FinetuneOptions, list[Tensor], torch.dev
     "mobiletl": mobiletl,
 }
 METHOD_NAMES = tuple(METHODS)
+MethodName = Literal[METHOD_NAMES]   # for params validation
 
 
 class FinetuneOptions(TrainOptions, MemoryOptions):
@@ -209,7 +210,3 @@ def finetune(model: UnitModel, method: str, opts: FinetuneOptions, train: tuple,
     fwd, bwd = count_flops(model, net, train[0][:n].to(device), train[1][:n].to(device))
     return FinetuneRun(method, run, count_params(net, trainable_only=True), count_params(model), fwd // n, bwd // n,
                        prepared.info)
-
-
-# the literal of method names, for params validation
-MethodName = Literal[METHOD_NAMES]

@@ -15,7 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from edgeflux.artifacts import load_model, model_fix, save_model, write_json
-from edgeflux.data import load_prepared, tensors
+from edgeflux.config import ParamsError
+from edgeflux.data import PreparedDataError, load_prepared, tensors
 from edgeflux.finetune import METHOD_NAMES, file_digest, finetune
 from edgeflux.tracking import stage_run
 from edgeflux.train import resolve_device
@@ -34,14 +35,14 @@ def parser():
 def main(args, params) -> None:
     p, method = params.finetune, args.method
     if p is None:
-        raise FileNotFoundError("params.yaml has no finetune section; add one (see the default params.yaml)")
+        raise ParamsError(f"{args.params} has no finetune section; add one (see the repository's params.yaml)")
     source = PRETRAINED / f"{p.model}.pt"
     if not source.exists():
         raise FileNotFoundError(f"{source}: no pretrained model {p.model!r}; run `dvc repro pretrain` first")
     model, _ = load_model(source)
     data = load_prepared(Path("data/prepared"))
     if model.num_classes != len(data.classes):
-        raise FileNotFoundError(f"{source} has {model.num_classes} classes and data/prepared {len(data.classes)}: "
+        raise PreparedDataError(f"{source} has {model.num_classes} classes and data/prepared {len(data.classes)}: "
                                 f"{model_fix(source, 'pretrain')}")
     device = resolve_device(p.device)
     train = tensors(data, "target_train", limit=p.max_train_samples)
