@@ -81,13 +81,15 @@ def train_under_budget(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor
                        test: tuple[torch.Tensor, torch.Tensor], num_classes: int, opts: TrainOptions,
                        memory: MemoryOptions, device: torch.device, checkpoint: Path | None = None,
                        desc: str = "backprop", context: StepContext | None = None,
-                       track_test: bool = False, signature: str = "") -> BudgetedRun:
+                       track_test: bool = False, signature: str = "", make_before_step=None) -> BudgetedRun:
     """Backprop at the largest batch that fits memory.budget (measured). track_test: the history also
     records test accuracy at each evaluation (for time-to-target benchmarks). signature: what else
-    defines the run for its checkpoint (fit's `signature`: e.g. the weights it starts from)."""
+    defines the run for its checkpoint (fit's `signature`: e.g. the weights it starts from).
+    make_before_step: fit's (a method that re-selects its trainable tensors while training)."""
     batch, batch_fit, step_memory = choose_batch(model, train, num_classes, opts, memory, device, context)
     result = fit(model, train, val, opts, batch, device=device, checkpoint=checkpoint, desc=f"{desc} (batch {batch})",
-                 context=context, test=test if track_test else None, signature=signature)
+                 context=context, test=test if track_test else None, signature=signature,
+                 make_before_step=make_before_step)
     test_acc = evaluate(model, *test, batch_size=batch, device=device)
     log.info("%s: test accuracy %.4f after %.1fs of training", desc, test_acc, result.train_time_s)
     return BudgetedRun(batch, batch_fit, step_memory, result, test_acc, sum(p.numel() for p in model.parameters()))

@@ -14,11 +14,17 @@ Methods (the paper's baselines, Table 3, beside MobileTL):
 * ``ft_all``: every parameter trains, BatchNorm statistics update.
 * ``ft_last``: the classifier only; the rest frozen (eval mode, no graph).
 * ``ft_bn``: BatchNorm scales and shifts (statistics update) and the classifier.
+* ``ft_bn_bias``: BatchNorm scales and shifts, every conv/linear bias and the classifier (ElasticTrainer's
+  "BN+Bias" baseline, an offline selection).
 * ``ft_bias``: biases only (TinyTL-B): every BatchNorm shift-only (nothing saved, edgeflux.mobiletl.ops),
   conv/linear biases, and the classifier.
 * ``ft_blocks``: the top ``blocks`` blocks, the last conv and the classifier, vanilla; the bottom frozen.
 * ``mobiletl``: the same top blocks with the MobileTL transform, the bottom frozen in int8
   (``quantize_bottom``).
+* ``elastic``: ElasticTrainer (edgeflux.elastic): the trainable tensors of ``elastic.base`` (ft_all, or
+  mobiletl's transformed top, ...), of which the ones that fit the time objective ``elastic.rho`` train,
+  re-selected by importance every ``elastic.interval`` epochs. The batch is measured with every tensor
+  training, so whatever is selected stays within the budget.
 
 In every setting the classifier trains; in the block-wise ones the last 1x1 conv (the paper's "feature
 fusion layer") does too.
@@ -42,6 +48,8 @@ from torch.utils.flop_counter import FlopCounterMode, conv_flop_count
 from edgeflux.backprop import BudgetedRun, train_under_budget
 from edgeflux.checkpoint import run_signature
 from edgeflux.data import Images
+from edgeflux.elastic import ElasticController, ElasticOptions, elastic_metrics
+from edgeflux.elastic.plot import per_epoch
 from edgeflux.mobiletl import quantize_bottom, replace_module, shift_only, top_start, transform_block
 from edgeflux.models import UnitModel, count_params
 from edgeflux.models.units import freeze, train_mode
@@ -56,9 +64,11 @@ __all__ = ["METHODS", "METHOD_NAMES", "FinetuneOptions", "FinetuneRun", "Prepare
 @dataclass
 class Prepared:
     """What a method hands the harness: the module that trains (sharing its trainable modules with the
-    float model it was given) and what it did."""
+    float model it was given), what it did, and, for a method that changes what trains while training, the
+    training loop's hook (edgeflux.train.fit's ``make_before_step``)."""
     model: nn.Module
     info: dict = field(default_factory=dict)
+    make_before_step: Callable | None = None
 
 
 def _trainable(modules) -> None:
@@ -79,6 +89,14 @@ def ft_last(model: UnitModel, opts: FinetuneOptions, calibration: list[Tensor], 
 def ft_bn(model: UnitModel, opts: FinetuneOptions, calibration: list[Tensor], device: torch.device) -> Prepared:
     model.requires_grad_(False)
     _trainable(m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
+    _trainable([model.units[-1]])
+    return Prepared(model)
+
+
+def ft_bn_bias(model: UnitModel, opts: FinetuneOptions, calibration: list[Tensor], device: torch.device) -> Prepared:
+    model.requires_grad_(False)
+    _trainable(m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
+    _trainable(m.bias for m in model.modules() if isinstance(getattr(m, "bias", None), nn.Parameter))
     _trainable([model.units[-1]])
     return Prepared(model)
 
@@ -117,9 +135,18 @@ def mobiletl(model: UnitModel, opts: FinetuneOptions, calibration: list[Tensor],
     return Prepared(net, info)
 
 
+def elastic(model: UnitModel, opts: FinetuneOptions, calibration: list[Tensor], device: torch.device) -> Prepared:
+    prepared = METHODS[opts.elastic.base](model, opts, calibration, device)
+    net = prepared.model
+    head = {id(p) for p in net.units[-1].parameters() if p.requires_grad}
+    classifier = [name for name, p in net.named_parameters() if id(p) in head]
+    controller = ElasticController(opts.elastic, classifier, key="finetune.elastic.rho")
+    return Prepared(net, {**prepared.info, "base": opts.elastic.base}, controller.attach)
+
+
 METHODS: dict[str, Callable[[UnitModel, FinetuneOptions, list[Tensor], torch.device], Prepared]] = {
-    "ft_all": ft_all, "ft_last": ft_last, "ft_bn": ft_bn, "ft_bias": ft_bias, "ft_blocks": ft_blocks,
-    "mobiletl": mobiletl,
+    "ft_all": ft_all, "ft_last": ft_last, "ft_bn": ft_bn, "ft_bn_bias": ft_bn_bias, "ft_bias": ft_bias, "ft_blocks": ft_blocks,
+    "mobiletl": mobiletl, "elastic": elastic,
 }
 METHOD_NAMES = tuple(METHODS)
 MethodName = Literal[METHOD_NAMES]   # for params validation
@@ -132,6 +159,7 @@ class FinetuneOptions(TrainOptions, MemoryOptions):
     blocks: int = Field(3, ge=1)             # block-wise methods: the top `blocks` blocks train
     quantize_bottom: bool = True             # mobiletl: the frozen bottom runs in int8
     calibration_batches: int = Field(8, ge=1)   # target batches (of 32) that calibrate the int8 bottom
+    elastic: ElasticOptions = ElasticOptions()   # elastic: the time objective and how often to re-select
 
 
 def prepare(method: str, model: UnitModel, opts: FinetuneOptions, calibration: list[Tensor],
@@ -176,15 +204,21 @@ class FinetuneRun:
     flops_forward: int      # per sample, counted
     flops_backward: int     # per sample, counted
     info: dict
+    tensors: list[str] = field(default_factory=list)              # the model's parameter tensors
+    selections: list[list[bool]] = field(default_factory=list)    # per epoch: which of them trained
 
     def metrics(self) -> dict:
-        """The shared metric names (edgeflux.backprop.BudgetedRun.metrics), plus the fine-tuning accounting."""
+        """The shared metric names (edgeflux.backprop.BudgetedRun.metrics), plus the fine-tuning accounting
+        (and, for elastic, the selections' summary)."""
         steps = max(1, self.run.train.steps)
-        return {**self.run.metrics(), "method": self.method, "params": self.total_params,
-                "train_params": self.train_params, "flops_forward_per_sample": self.flops_forward,
-                "flops_backward_per_sample": self.flops_backward,
-                "flops_per_sample": self.flops_forward + self.flops_backward,
-                "step_time_s": self.run.train.train_time_s / steps}
+        out = {**self.run.metrics(), "method": self.method, "params": self.total_params,
+               "train_params": self.train_params, "flops_forward_per_sample": self.flops_forward,
+               "flops_backward_per_sample": self.flops_backward,
+               "flops_per_sample": self.flops_forward + self.flops_backward,
+               "step_time_s": self.run.train.train_time_s / steps}
+        if state := self.run.train.extra.get("elastic"):
+            out.update(elastic_metrics(state, self.run.train.train_time_s))
+        return out
 
 
 def file_digest(path: str | Path) -> str:
@@ -196,17 +230,33 @@ def calibration_batches(x: Tensor | Images, n: int, size: int = 32) -> list[Tens
 
 
 def finetune(model: UnitModel, method: str, opts: FinetuneOptions, train: tuple, val: tuple, test: tuple,
-             device: torch.device | str = "cpu", checkpoint: Path | None = None, start: str = "") -> FinetuneRun:
+             device: torch.device | str = "cpu", checkpoint: Path | None = None, start: str = "",
+             track_test: bool = False) -> FinetuneRun:
     """Fine-tune ``model`` (in place: its trainable modules end with the fine-tuned weights) with ``method``
     under ``opts.budget``. start: the identity of the starting weights (e.g. the pretrained file's digest),
-    for the checkpoint's signature."""
+    for the checkpoint's signature. track_test: the history records test accuracy at each evaluation
+    (benchmarks' time-to-accuracy; never used to choose anything)."""
     device = torch.device(device)
     prepared = prepare(method, model, opts, calibration_batches(train[0], opts.calibration_batches), device)
     net = prepared.model
+    trainable = [name for name, p in net.named_parameters() if p.requires_grad]
     run = train_under_budget(net, train, val, test, model.num_classes, opts, opts, device, checkpoint=checkpoint,
                              desc=f"finetune {method}", context=opts.bittrain.context,
-                             signature=run_signature(method=method, start=start, info=prepared.info))
+                             signature=run_signature(method=method, start=start, info=prepared.info),
+                             make_before_step=prepared.make_before_step, track_test=track_test)
     n = min(FLOPS_BATCH, len(train[1]))
     fwd, bwd = count_flops(model, net, train[0][:n].to(device), train[1][:n].to(device))
     return FinetuneRun(method, run, count_params(net, trainable_only=True), count_params(model), fwd // n, bwd // n,
-                       prepared.info)
+                       prepared.info, *_selections(net, trainable, run.train, opts.epochs))
+
+
+def _selections(net: nn.Module, trainable: list[str], result, epochs: int) -> tuple[list[str], list[list[bool]]]:
+    """Every parameter tensor of ``net`` (execution order where known) and, per epoch, which trained: the
+    method's trainable set, or elastic's selection in that epoch."""
+    names = [n for n, _ in net.named_parameters()]
+    state = result.extra.get("elastic")
+    if not state:
+        return names, [[n in trainable for n in names]] * epochs
+    order = state["names"]
+    names = order + [n for n in names if n not in order]
+    return names, [list(mask) + [False] * (len(names) - len(mask)) for mask in per_epoch(state["selections"], epochs)]

@@ -141,6 +141,7 @@ class TrainResult:
     steps: int = 0
     epochs_done: int = 0
     resumed_from_epoch: int = 0
+    extra: dict = field(default_factory=dict)   # state a hook keeps (checkpointed with the run)
 
     @property
     def best_val_acc(self) -> float:
@@ -256,13 +257,15 @@ def fit(model: nn.Module, train: tuple[Tensor | Images, Tensor], val: tuple[Tens
         opts: TrainOptions, batch_size: int, *, device: torch.device | str = "cpu",
         checkpoint: Path | None = None, signature: str = "", desc: str = "train",
         on_epoch_end: Callable[[int, TrainResult], None] | None = None,
-        context: StepContext | None = None, test: tuple[Tensor | Images, Tensor] | None = None) -> TrainResult:
+        context: StepContext | None = None, test: tuple[Tensor | Images, Tensor] | None = None,
+        make_before_step: Callable[[Step, tuple, int], Callable[[TrainResult], None]] | None = None) -> TrainResult:
     """Backprop: train ``model`` in place for ``opts.epochs`` epochs at ``batch_size`` through train_loop.
 
     ``context(model)`` is entered around each forward and backward (how activations are saved, e.g.
     BitTrain); the batch-size measurement uses the same one. Each epoch's shuffle is seeded by
     (opts.seed, epoch). ``test``: also record test accuracy at every evaluation (benchmarks'
-    time-to-target curves; never used to choose anything).
+    time-to-target curves; never used to choose anything). ``make_before_step(step, train, batch_size)``:
+    the loop's ``before_step`` hook, built for the step that trains (e.g. ElasticTrainer's selection).
     """
     device = torch.device(device)
     context = context or no_context
@@ -286,4 +289,5 @@ def fit(model: nn.Module, train: tuple[Tensor | Images, Tensor], val: tuple[Tens
                                                   seed=opts.seed * 1000 + epoch),
                       epochs=opts.epochs, steps_per_epoch=math.ceil(len(x_train) / batch_size),
                       evals_per_epoch=opts.evals_per_epoch, evaluate=evaluate_now, seed=opts.seed, device=device,
-                      checkpoint=checkpoint, signature=signature, desc=desc, on_epoch_end=on_epoch_end)
+                      checkpoint=checkpoint, signature=signature, desc=desc, on_epoch_end=on_epoch_end,
+                      before_step=make_before_step(step, train, batch_size) if make_before_step else None)

@@ -24,6 +24,7 @@ from edgeflux.artifacts import CorruptFileError, WriteError
 from edgeflux.config import Params, ParamsError, load_params
 from edgeflux.data import DataParamsError, DatasetNotFoundError, PreparedDataError
 from edgeflux.memory import BudgetTooSmallError
+from edgeflux.elastic import ElasticBudgetError
 from edgeflux.mobiletl import BlocksError
 from edgeflux.neuroflux.profile import PoorFitError
 from edgeflux.tracking import TrackingStoreError
@@ -37,7 +38,7 @@ class StageRunningError(Exception):
 # Errors that are the user's to fix: shown as one message, no traceback.
 USER_ERRORS = (ParamsError, DatasetNotFoundError, DataParamsError, PreparedDataError, BudgetTooSmallError,
                PoorFitError, CorruptFileError, FileNotFoundError, StageRunningError, DeviceUnavailableError,
-               TrackingStoreError, WriteError, BlocksError)
+               TrackingStoreError, WriteError, BlocksError, ElasticBudgetError)
 # What the machine refuses (a full disk, a read-only directory): one line naming the file, no traceback.
 MACHINE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 

@@ -7,8 +7,10 @@ finetune.bittrain applied to what the method still saves. Methods: edgeflux/fine
 
 Writes models/finetune/<method>.pt (the float model with the fine-tuned weights; it loads into the plain
 architecture), metrics/finetune/<method>.json (test accuracy, measured peak and saved bytes, trainable
-parameters, counted FLOPs, step time), plots/finetune/<method>.csv (accuracy vs training time) and
-memory/finetune/<method>.json (the measurements behind the batch size).
+parameters, counted FLOPs, step time; elastic: its overhead and selections), plots/finetune/<method>.csv
+(accuracy vs training time), plots/finetune/<method>_tensors.png (which tensors train in which epoch: a
+method's fixed set, or elastic's selections) and memory/finetune/<method>.json (the measurements behind the
+batch size; elastic: its tensor timings and every selection).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from pathlib import Path
 from edgeflux.artifacts import load_model, model_fix, save_model, write_json
 from edgeflux.config import ParamsError
 from edgeflux.data import PreparedDataError, load_prepared, tensors
+from edgeflux.elastic.plot import plot_selections
 from edgeflux.finetune import METHOD_NAMES, file_digest, finetune
 from edgeflux.tracking import stage_run
 from edgeflux.train import resolve_device
@@ -48,18 +51,21 @@ def main(args, params) -> None:
     train = tensors(data, "target_train", limit=p.max_train_samples)
     outputs = {kind: Path(f"{kind}/finetune/{method}.{ext}")
                for kind, ext in (("metrics", "json"), ("plots", "csv"), ("memory", "json"), ("models", "pt"))}
+    outputs["tensors"] = Path(f"plots/finetune/{method}_tensors.png")
     with stage_run(f"finetune@{method}", {**p.model_dump(), "method": method}) as run:
         result = finetune(model, method, p, train, tensors(data, "target_val"), tensors(data, "target_test"), device,
                           checkpoint=CHECKPOINTS / f"{method}.pt", start=file_digest(source))
         metrics = {"model": p.model, "device": str(device), **result.metrics(), "peak_rss_bytes": peak_rss_bytes()}
         write_json(outputs["metrics"], metrics)
-        write_json(outputs["memory"], {**result.run.memory_report(), "method_info": result.info})
+        write_json(outputs["memory"], {**result.run.memory_report(), "method_info": result.info,
+                                       **result.run.train.extra})
         write_history_csv(outputs["plots"], result.run.train.history)
+        plot_selections(result.tensors, result.selections, outputs["tensors"], f"finetune {method}, {p.model}")
         save_model(outputs["models"], model, model.build_args, meta={"stage": "finetune", **metrics,
                                                                   "method_info": result.info})
         run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
         run.log_history(result.run.train.history)
-        for kind in ("metrics", "memory", "plots"):
+        for kind in ("metrics", "memory", "plots", "tensors"):
             run.log_artifact(outputs[kind])
 
 

@@ -182,3 +182,26 @@ def test_mobiletl_quick_measures_blocks_transfer_and_budget(tmp_path):
     assert by_method["mobiletl"] >= by_method["ft_all"]
     assert "| MobileTL-3BLKs |" in (tmp_path / "mobiletl.md").read_text()
     assert (tmp_path / "mobiletl.png").stat().st_size > 10_000
+
+
+def test_elastic_quick_compares_elastic_with_the_baselines(tmp_path):
+    cmd = [sys.executable, "bench/elastic.py", "--quick", "--threads", "1", "--out", str(tmp_path)]
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True, timeout=600)
+    result = json.loads((tmp_path / "elastic.json").read_text())
+    assert "--quick" in result["command"]
+    rows = result["rows"]
+    assert {(r["method"], r["rho"]) for r in rows} == {("full", None), ("last_layer", None), ("bn_bias", None),
+                                                       ("elastic", 0.5)}
+    for r in rows:
+        assert {"model", "method", "rho", "epochs", "wall_s", "speedup_vs_full", "test_acc", "overhead_frac",
+                "timing_error"} <= set(r)
+        assert r["wall_s"] > 0 and 0 <= r["test_acc"] <= 1 and r["epochs"] == 1
+        assert (r["timing_error"] is not None) == (r["overhead_frac"] is not None) == (r["method"] == "elastic")
+    [full] = [r for r in rows if r["method"] == "full"]
+    assert full["speedup_vs_full"] == 1.0
+    [check] = result["validation"].values()
+    assert len(check["validation"]) == 6 and check["timing_error"] >= 0
+    assert all(v["measured_s"] > 0 and v["predicted_s"] > 0 for v in check["validation"])
+    assert (tmp_path / "elastic.png").stat().st_size > 10_000
+    assert (tmp_path / "elastic_selections_resnet18-w0.25.png").stat().st_size > 5_000
+    assert "| resnet18-w0.25 | elastic | 0.5 |" in (tmp_path / "elastic.md").read_text()

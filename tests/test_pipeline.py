@@ -18,9 +18,9 @@ QUICK = {
     "data": {"dataset": "mnist-subset", "seed": 0},
     "pretrain": {"models": [{"name": "vgg11", "width": 0.125}, {"name": "mobilenet_v2", "width": 0.25}], "epochs": 1,
                  "max_train_samples": 400, "batch_size": 64, "evals_per_epoch": 1, "device": "cpu"},
-    "finetune": {"model": "mobilenet_v2-w0.25", "methods": ["mobiletl", "ft_all"], "budget": "8MB", "max_batch": 64,
-                 "epochs": 1, "max_train_samples": 400, "evals_per_epoch": 1, "calibration_batches": 2,
-                 "device": "cpu"},
+    "finetune": {"model": "mobilenet_v2-w0.25", "methods": ["mobiletl", "ft_all", "elastic"], "budget": "8MB",
+                 "max_batch": 64, "epochs": 1, "max_train_samples": 400, "evals_per_epoch": 1, "calibration_batches": 2,
+                 "elastic": {"rho": 0.7, "repeats": 1}, "device": "cpu"},
     "train_bp": {"model": {"name": "vgg11", "width": 0.125}, "budget": "3MB", "max_batch": 64, "epochs": 1,
                  "max_train_samples": 400, "evals_per_epoch": 2, "device": "cpu"},
     "neuroflux": {"model": {"name": "vgg11", "width": 0.125}, "budget": "2MB", "max_batch": 64, "epochs": 1,
@@ -58,7 +58,8 @@ def project(tmp_path_factory):
 
 def test_repro_then_noop_then_exp_run(project):
     first = sh("dvc repro", project)
-    for stage in ("prepare", "pretrain", "train_bp", *NEUROFLUX, "finetune@mobiletl", "finetune@ft_all", "report"):
+    for stage in ("prepare", "pretrain", "train_bp", *NEUROFLUX, "finetune@mobiletl", "finetune@ft_all",
+                  "finetune@elastic", "report"):
         assert f"Running stage '{stage}'" in first.stdout
     metrics = json.loads((project / "metrics/train_bp.json").read_text())
     assert metrics["peak_mem_bytes"] <= metrics["budget_bytes"] == 3_000_000
@@ -88,11 +89,17 @@ def test_repro_then_noop_then_exp_run(project):
     assert "select_exit (NeuroFlux)" in (project / "reports/summary.md").read_text()
 
     # fine-tuning: both methods within the budget, MobileTL at a batch at least FT-All's, one report row each
-    tuned = {m: json.loads((project / f"metrics/finetune/{m}.json").read_text()) for m in ("mobiletl", "ft_all")}
+    tuned = {m: json.loads((project / f"metrics/finetune/{m}.json").read_text())
+             for m in ("mobiletl", "ft_all", "elastic")}
     assert all(t["peak_mem_bytes"] <= t["budget_bytes"] == 8_000_000 for t in tuned.values())
     assert tuned["mobiletl"]["batch_size"] >= tuned["ft_all"]["batch_size"]
     assert tuned["mobiletl"]["train_params"] < tuned["ft_all"]["train_params"] == tuned["ft_all"]["params"]
     assert "| finetune mobiletl | target (device) | mobilenet_v2-w0.25 |" in (project / "reports/summary.md").read_text()
+    # elastic: one selection (one epoch) of some of FT-All's tensors, its timings and masks in the memory file
+    assert tuned["elastic"]["elastic_selections"] == 1 and 0 < tuned["elastic"]["elastic_selected_frac"] < 1
+    elastic = json.loads((project / "memory/finetune/elastic.json").read_text())
+    assert len(elastic["elastic"]["selections"][0]["mask"]) == len(elastic["elastic"]["names"])
+    assert all((project / f"plots/finetune/{m}_tensors.png").stat().st_size > 5_000 for m in tuned)
 
     second = sh("dvc repro", project)
     assert "Running stage" not in second.stdout
@@ -118,7 +125,8 @@ def test_repro_then_noop_then_exp_run(project):
     first_children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") in parents]
     assert len(parents) == 2  # the first repro and the exp run
     assert sorted(r.data.tags["edgeflux.stage"] for r in first_children) == sorted(
-        ["prepare", "pretrain", "train_bp", *NEUROFLUX, "finetune@mobiletl", "finetune@ft_all", "report", "train_bp",
+        ["prepare", "pretrain", "train_bp", *NEUROFLUX, "finetune@mobiletl", "finetune@ft_all", "finetune@elastic",
+         "report", "train_bp",
          "report"])
     bp = [r for r in first_children if r.data.tags["edgeflux.stage"] == "train_bp"]
     assert {r.data.params["lr"] for r in bp} == {"0.05", "0.01"}

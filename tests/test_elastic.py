@@ -1,0 +1,207 @@
+"""ElasticTrainer: the selector against brute force, the tensor time model against measured backward times,
+the importance against its definition, and the elastic run (no gradient below the deepest selected tensor,
+the classifier always in, one-line errors for an impossible objective)."""
+import copy
+import itertools
+import random
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edgeflux.bittrain import BitTrainOptions
+from edgeflux.config import ParamsError, load_params
+from edgeflux.elastic import (ElasticBudgetError, ElasticController, ElasticOptions, execution_order,
+                              predict_backward, profile_tensors, random_selections, rounded_costs, select_tensors,
+                              selection_cost, tensor_importance, validate_time_model)
+from edgeflux.finetune import FinetuneOptions, finetune, prepare
+from edgeflux.models import build_model
+from edgeflux.step import TrainStep
+from edgeflux.train import optimizer_factory
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _brute_force(w, y, gains, cap) -> float:
+    best = 0.0
+    for mask in itertools.product([False, True], repeat=len(w)):
+        if selection_cost(w, y, mask) <= cap:
+            best = max(best, sum(g for g, m in zip(gains, mask) if m))
+    return best
+
+
+def test_selector_is_the_exact_optimum_of_brute_force_and_never_over_budget():
+    rng = random.Random(0)
+    for _ in range(3000):
+        n = rng.randint(1, 9)
+        t_dw = [rng.choice([0.0, rng.random()]) for _ in range(n)]
+        t_dy = [rng.random() * rng.choice([0, 1, 2]) for _ in range(n)]
+        gains = [rng.uniform(-0.3, 1.0) for _ in range(n)]
+        budget, resolution = rng.uniform(0.05, 3.0), rng.choice([1, 3, 10, 50, 1000])
+        mask = select_tensors(t_dw, t_dy, gains, budget, resolution)
+        w, y = rounded_costs(t_dw, t_dy, budget, resolution)
+        assert selection_cost(w, y, mask) <= resolution               # rounded up: the budget holds exactly
+        assert selection_cost(t_dw, t_dy, mask) <= budget + 1e-12
+        got = sum(g for g, m in zip(gains, mask) if m)
+        assert got == pytest.approx(_brute_force(w, y, gains, resolution), abs=1e-9)
+
+
+def test_selector_cost_counts_the_error_gradient_down_to_the_deepest_tensor():
+    # tensor 0 is the most important, but reaching it costs the t_dy of tensors 1 and 2 (multiples of 1/8 of a
+    # budget of 1: the rounding to 1000 steps is exact)
+    t_dw, t_dy = [0.125, 0.125, 0.125], [0.0, 0.25, 0.25]
+    assert selection_cost(t_dw, t_dy, [True, False, True]) == 0.75
+    assert select_tensors(t_dw, t_dy, [10, 1, 1], budget=1.0) == [True, True, True]                  # 0.875
+    assert select_tensors([0.25] * 3, t_dy, [10, -1, 1], budget=1.0) == [True, False, True]          # 1.0 exactly
+    assert select_tensors(t_dw, [0.0, 0.375, 0.5], [10, 1, 1], budget=1.0) == [True, False, False]  # 10 beats 2
+    assert select_tensors(t_dw, [0.0, 0.5, 0.5], [10, 1, 1], budget=1.0) == [False, True, True]     # 0 out of reach
+    assert select_tensors(t_dw, t_dy, [-1, -1, -1], budget=5) == [False, False, False]
+    with pytest.raises(ValueError, match="budget must be a positive time"):
+        select_tensors(t_dw, t_dy, [1, 1, 1], budget=0)
+    with pytest.raises(ValueError, match="differ in length"):
+        select_tensors(t_dw, t_dy, [1, 1], budget=1)
+
+
+def _model():
+    return build_model("resnet18", num_classes=10, in_channels=1, width=0.25, image_size=32, seed=0).train()
+
+
+def _classifier(model) -> list[str]:
+    head = {id(p) for p in model.units[-1].parameters()}
+    return [n for n, p in model.named_parameters() if id(p) in head]
+
+
+def _batch(n=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 1, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def test_time_model_predicts_measured_backward_times():
+    """Generous tolerance: the benchmark reports the error on every model (bench/results/elastic.md)."""
+    model, (x, y) = _model(), _batch()
+    before = copy.deepcopy(model.state_dict())
+    timing = profile_tensors(model, x, y, repeats=3)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())      # profiling only looks
+    assert all(p.requires_grad for p in model.parameters())
+    n = len(timing.names)
+    assert n == len(list(model.parameters())) and timing.names[0] == "units.0.0.weight"
+    assert timing.t_full == pytest.approx(timing.t_forward + timing.t_backward + timing.t_optimizer)
+    assert predict_backward(timing, [True] * n) >= timing.t_backward * 0.999
+    rows = validate_time_model(model, timing, random_selections(n, 8, seed=1, always=[n - 2, n - 1]), x, y, repeats=3)
+    assert statistics.mean(abs(r["error"]) for r in rows) < 0.5
+    # a BatchNorm's backward goes to its shift (the paper's Section 5.2): its scale passes nothing
+    norms = {n for n, m in model.named_modules() if isinstance(m, nn.BatchNorm2d)}
+    for k, name in enumerate(timing.names):
+        module, kind = name.rsplit(".", 1)
+        if module in norms:
+            assert (timing.t_dy[k] > 0) == (kind == "bias"), name
+    convs = [k for k, name in enumerate(timing.names) if "conv" in name]
+    assert all(timing.t_dw[k] > 0 and timing.t_dy[k] > 0 for k in convs)   # kernels: weight and input gradients
+
+
+def test_unselected_tensors_get_no_gradient_and_nothing_runs_below_the_deepest():
+    model, (x, y) = _model(), _batch()
+    step = TrainStep.factory(optimizer_factory(FinetuneOptions(optimizer="adam", lr=1e-3)))(model)
+    controller = ElasticController(ElasticOptions(rho=0.4), _classifier(model))
+    controller.attach(step, (x, y), 32)
+    names = controller.names
+    deepest = names.index("units.7.conv1.weight")
+    mask = [k >= deepest and k % 2 == 0 for k in range(len(names))]
+    mask[-2:] = [True, True]
+    controller._apply(mask)
+    seen = {}
+    hooks = [model.units[i].register_forward_hook(lambda m, a, out, i=i: seen.__setitem__(i, out.requires_grad))
+             for i in range(len(model.units))]
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    step(x, y)
+    for h in hooks:
+        h.remove()
+    by_name = dict(model.named_parameters())
+    for name, keep in zip(names, mask):
+        assert (by_name[name].grad is not None) == keep, name
+        assert torch.equal(by_name[name].detach(), weights[name]) != keep, name    # only the selected move
+    # units below the deepest selected tensor's unit build no graph: autograd never reaches them
+    assert [i for i, g in seen.items() if not g] == list(range(7))
+
+
+def test_importance_is_the_first_order_loss_reduction_of_one_update():
+    model, (x, y) = _model(), _batch(16)
+    opts = FinetuneOptions(optimizer="sgd", lr=0.01, momentum=0.0, weight_decay=0.0)
+    step = TrainStep.factory(optimizer_factory(opts))(model)
+    names = execution_order(model, lambda: model(x))
+    before = copy.deepcopy(model.state_dict())
+    got = tensor_importance(step, names, x, y)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())      # weights and statistics back
+    # by hand: SGD's update is -lr * g0; the gradient after it g1; I = -sum(g1 * update)
+    ref = copy.deepcopy(model)
+    params = dict(ref.named_parameters())
+    g0 = torch.autograd.grad(F.cross_entropy(ref(x), y), [params[n] for n in names])
+    with torch.no_grad():
+        for n, g in zip(names, g0):
+            params[n] -= 0.01 * g
+    g1 = torch.autograd.grad(F.cross_entropy(ref(x), y), [params[n] for n in names])
+    want = [float((a * 0.01 * b).sum()) for a, b in zip(g1, g0)]
+    assert got == pytest.approx(want, rel=1e-2, abs=1e-9)      # float32 sums in another order
+    assert sum(got) > 0                                      # one SGD step lowers the loss to first order
+
+
+def test_a_rho_too_small_is_one_line_naming_the_key_and_the_smallest_workable_value(tmp_path):
+    model, (x, y) = _model(), _batch()
+    step = TrainStep.factory(optimizer_factory(FinetuneOptions(optimizer="adam")))(model)
+    controller = ElasticController(ElasticOptions(rho=0.05), _classifier(model), key="finetune.elastic.rho")
+    controller.attach(step, (x, y), 32)
+    controller.timing = profile_tensors(model, x, y, optimizer=step.optimizer)
+    importance = [1.0] * (len(controller.names) - 2) + [-1.0, -1.0]     # the classifier trains all the same
+    with pytest.raises(ElasticBudgetError, match=r"^finetune.elastic.rho = 0.05 asks for training steps of .* "
+                                                 r"the smallest workable finetune.elastic.rho is (0\.\d+)$") as err:
+        controller.select(importance)
+    assert "\n" not in str(err.value)
+    smallest = float(str(err.value).rsplit(" ", 1)[1])
+    controller.opts = ElasticOptions(rho=smallest)
+    mask = controller.select(importance)
+    assert mask[-2:] == [True, True]
+    for bad in ("0", "1.5"):          # outside (0, 1]: refused when the params are read
+        raw = (REPO / "params.yaml").read_text()
+        assert "    rho: 0.5 " in raw
+        (tmp_path / "params.yaml").write_text(raw.replace("    rho: 0.5 ", f"    rho: {bad} "))
+        with pytest.raises(ParamsError, match=r"finetune.elastic.rho"):
+            load_params(tmp_path / "params.yaml")
+
+
+def test_elastic_finetune_composes_with_mobiletl_and_bittrain(mnist_subset):
+    from edgeflux.data import tensors
+    data = [tensors(mnist_subset, s, limit=512) for s in ("target_train", "target_val", "target_test")]
+    model = build_model("mobilenet_v2", num_classes=10, in_channels=1, width=0.25, image_size=32, seed=0)
+    opts = FinetuneOptions(blocks=2, epochs=2, budget="24MB", max_batch=64, evals_per_epoch=1, optimizer="adam",
+                           lr=1e-3, bittrain=BitTrainOptions(enabled=True),
+                           elastic=ElasticOptions(rho=0.7, base="mobiletl", repeats=1))
+    reference = prepare("mobiletl", copy.deepcopy(model), opts, [data[0][0][:32]]).model
+    top = {n for n, p in reference.named_parameters() if p.requires_grad}
+    run = finetune(model, "elastic", opts, *data)
+    m = run.metrics()
+    assert m["peak_mem_bytes"] <= opts.budget
+    assert m["saved_stored_bytes"] < m["saved_dense_bytes"]                  # BitTrain on what is still saved
+    assert m["elastic_selections"] == 2 and 0 < m["elastic_selected_frac"] <= 1
+    assert m["elastic_overhead_s"] == pytest.approx(m["elastic_profile_s"] + m["elastic_importance_s"]
+                                                    + m["elastic_select_s"])
+    state = run.run.train.extra["elastic"]
+    # only the mobiletl top's tensors are candidates (the int8 bottom has none), the classifier always in
+    assert set(state["names"]) == top
+    assert all(s["mask"][-2:] == [True, True] for s in state["selections"])
+    assert len(run.selections) == 2 and len(run.tensors) >= len(state["names"])
+    assert all(len(mask) == len(run.tensors) for mask in run.selections)
+
+
+def test_frozen_base_tensors_are_not_candidates():
+    model = build_model("mobilenet_v2", num_classes=10, in_channels=1, width=0.25, image_size=32, seed=0)
+    prepared = prepare("elastic", model, FinetuneOptions(blocks=1, elastic=ElasticOptions(base="ft_blocks")),
+                       [torch.randn(8, 1, 32, 32)])
+    x, y = _batch(8)
+    step = TrainStep.factory(optimizer_factory(FinetuneOptions()))(prepared.model)
+    controller = prepared.make_before_step(step, (x, y), 8)
+    trainable = [n for n, p in prepared.model.named_parameters() if p.requires_grad]
+    assert sorted(controller.names) == sorted(trainable) and len(trainable) < len(list(model.parameters()))
+    assert isinstance(controller, ElasticController) and nn.Module not in type(controller).__mro__
