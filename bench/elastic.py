@@ -20,7 +20,7 @@ out cost nothing below the deepest selected one. Time-to-accuracy (Table 2): for
 full training's final accuracy, training seconds to reach each, elastic (rho 0.5) against the fastest
 baseline.
 
-    python bench/elastic.py --threads 2                  # full run, results in bench/results/ (about 15 min here)
+    python bench/elastic.py --threads 2                  # full run, results in bench/results/ (about 12 min here)
     python bench/elastic.py --quick --out /tmp/bench     # CI-sized: ResNet-18 only, 1 epoch, < 1 min
 """
 from __future__ import annotations

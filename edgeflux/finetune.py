@@ -244,6 +244,8 @@ def finetune(model: UnitModel, method: str, opts: FinetuneOptions, train: tuple,
                              desc=f"finetune {method}", context=opts.bittrain.context,
                              signature=run_signature(method=method, start=start, info=prepared.info),
                              make_before_step=prepared.make_before_step, track_test=track_test)
+    for name, p in net.named_parameters():       # a method that re-selected while training leaves its last set
+        p.requires_grad_(name in trainable)
     n = min(FLOPS_BATCH, len(train[1]))
     fwd, bwd = count_flops(model, net, train[0][:n].to(device), train[1][:n].to(device))
     return FinetuneRun(method, run, count_params(net, trainable_only=True), count_params(model), fwd // n, bwd // n,

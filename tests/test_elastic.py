@@ -15,7 +15,7 @@ from torch import nn
 from edgeflux.bittrain import BitTrainOptions
 from edgeflux.config import ParamsError, load_params
 from edgeflux.elastic import (ElasticBudgetError, ElasticController, ElasticOptions, execution_order,
-                              predict_backward, profile_tensors, random_selections, rounded_costs, select_tensors,
+                              profile_tensors, random_selections, rounded_costs, select_tensors,
                               selection_cost, tensor_importance, validate_time_model)
 from edgeflux.finetune import FinetuneOptions, finetune, prepare
 from edgeflux.models import build_model
@@ -88,10 +88,8 @@ def test_time_model_predicts_measured_backward_times():
     assert all(p.requires_grad for p in model.parameters())
     n = len(timing.names)
     assert n == len(list(model.parameters())) and timing.names[0] == "units.0.0.weight"
-    assert timing.t_full == pytest.approx(timing.t_forward + timing.t_backward + timing.t_optimizer)
-    assert predict_backward(timing, [True] * n) >= timing.t_backward * 0.999
     rows = validate_time_model(model, timing, random_selections(n, 8, seed=1, always=[n - 2, n - 1]), x, y, repeats=3)
-    assert statistics.mean(abs(r["error"]) for r in rows) < 0.5
+    assert statistics.mean(abs(r["error"]) for r in rows) < 0.5      # the benchmark measured 3-15%
     # a BatchNorm's backward goes to its shift (the paper's Section 5.2): its scale passes nothing
     norms = {n for n, m in model.named_modules() if isinstance(m, nn.BatchNorm2d)}
     for k, name in enumerate(timing.names):
@@ -204,4 +202,34 @@ def test_frozen_base_tensors_are_not_candidates():
     controller = prepared.make_before_step(step, (x, y), 8)
     trainable = [n for n, p in prepared.model.named_parameters() if p.requires_grad]
     assert sorted(controller.names) == sorted(trainable) and len(trainable) < len(list(model.parameters()))
-    assert isinstance(controller, ElasticController) and nn.Module not in type(controller).__mro__
+
+
+def test_a_resumed_run_keeps_the_selection_and_a_reprofile_keeps_every_candidate(mnist_subset, tmp_path, monkeypatch):
+    """interval 2 over 3 epochs: epoch 0 selects, epoch 1 keeps it, epoch 2 re-profiles (profile_interval 2) with
+    epoch 0's mask still applied and re-selects. The run is stopped after epoch 0 and resumed from its checkpoint."""
+    import edgeflux.train as train
+    from edgeflux.data import tensors
+    data = [tensors(mnist_subset, s, limit=256) for s in ("target_train", "target_val", "target_test")]
+    opts = FinetuneOptions(epochs=3, batch_size=32, evals_per_epoch=1, optimizer="adam", lr=1e-3,
+                           elastic=ElasticOptions(rho=0.6, interval=2, profile_interval=2, repeats=1))
+    real = train._run_epoch
+
+    def stop_at_epoch_1(loop, batches, epoch, *rest):
+        if epoch == 1:
+            raise KeyboardInterrupt
+        return real(loop, batches, epoch, *rest)
+    monkeypatch.setattr(train, "_run_epoch", stop_at_epoch_1)
+    checkpoint = tmp_path / "elastic.pt"
+    with pytest.raises(KeyboardInterrupt):
+        finetune(_model(), "elastic", opts, *data, checkpoint=checkpoint)
+    first = torch.load(checkpoint, weights_only=False)["result"]["extra"]["elastic"]
+    monkeypatch.setattr(train, "_run_epoch", real)
+    model = _model()
+    run = finetune(model, "elastic", opts, *data, checkpoint=checkpoint)
+    state = run.run.train.extra["elastic"]
+    assert run.run.train.resumed_from_epoch == 1
+    assert [s["epoch"] for s in state["selections"]] == [0, 2]
+    assert state["selections"][0]["mask"] == first["selections"][0]["mask"]
+    assert state["overhead_s"]["profile"] > first["overhead_s"]["profile"]        # epoch 2 profiled again
+    assert state["timing"]["names"] == state["names"]                           # every candidate, not the mask
+    assert all(p.requires_grad for p in model.parameters())      # the method's trainable set back after training

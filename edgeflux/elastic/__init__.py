@@ -11,11 +11,12 @@ Modules: profile (the tensor timing profiler and its validation), importance, se
 from __future__ import annotations
 
 from .importance import tensor_importance
-from .profile import (TensorTiming, execution_order, measure_backward, predict_backward, profile_tensors,
-                      random_selections, validate_time_model)
+from .profile import (TensorTiming, execution_order, measure_backward, predict_backward, predict_step,
+                      profile_tensors, random_selections, validate_time_model)
 from .select import rounded_costs, select_tensors, selection_cost
 from .trainer import ElasticBudgetError, ElasticController, ElasticOptions, elastic_metrics
 
 __all__ = ["ElasticBudgetError", "ElasticController", "ElasticOptions", "TensorTiming", "elastic_metrics",
-           "execution_order", "measure_backward", "predict_backward", "profile_tensors", "random_selections",
+           "execution_order", "measure_backward", "predict_backward", "predict_step", "profile_tensors",
+           "random_selections",
            "rounded_costs", "select_tensors", "selection_cost", "tensor_importance", "validate_time_model"]

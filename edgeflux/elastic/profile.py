@@ -53,11 +53,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from edgeflux.elastic.select import selection_cost
+from edgeflux.models.units import eval_mode
 from edgeflux.step import StepContext, no_context
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TensorTiming", "execution_order", "measure_backward", "predict_backward", "profile_tensors",
+__all__ = ["TensorTiming", "execution_order", "measure_backward", "predict_backward", "predict_step", "profile_tensors",
            "random_selections", "validate_time_model"]
 
 NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
@@ -89,9 +90,12 @@ class TensorTiming:
         return [w + o for w, o in zip(self.t_dw, self.t_opt)]
 
 
-def execution_order(model: nn.Module, run: Callable[[], None]) -> list[str]:
-    """Names of the model's trainable parameters in the order ``run()`` first uses their modules."""
-    owner = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
+def execution_order(model: nn.Module, run: Callable[[], None], names: Sequence[str] | None = None) -> list[str]:
+    """Names of the model's trainable parameters (or of ``names``) in the order ``run()`` first uses their
+    modules. ``run`` goes in eval mode and without gradients: BatchNorm statistics do not move."""
+    wanted = set(names) if names is not None else None
+    owner = {id(p): name for name, p in model.named_parameters()
+             if (p.requires_grad if wanted is None else name in wanted)}
     order: list[str] = []
 
     def seen(module: nn.Module, _inputs) -> None:
@@ -101,7 +105,7 @@ def execution_order(model: nn.Module, run: Callable[[], None]) -> list[str]:
 
     handles = [m.register_forward_pre_hook(seen) for m in model.modules() if any(True for _ in m.parameters(False))]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), eval_mode(model):
             run()
     finally:
         for h in handles:
@@ -114,8 +118,8 @@ class _Graph:
     data: list        # data-path nodes (tensor 0 gets its gradient through them), by creation order
     children: dict    # data node -> its data-path children
     own: dict         # data node -> the parameters it owns (reached through param-only nodes)
-    param_only: list  # (node, parameters it leads to): AccumulateGrad, a weight's transpose, ...
-    other: list       # nodes on neither (a branch that never reaches tensor 0): not attributed
+    param_only: list  # (node, parameters it leads to): AccumulateGrad, a weight's transpose, any subtree that
+    #                   does not reach tensor 0 (its time goes to the tensors it leads to)
 
 
 def _walk(root) -> list:
@@ -157,7 +161,7 @@ def _graph(loss: Tensor, first: Tensor) -> _Graph:
                 own[node] += params
                 param_only += [(n, params) for n in sub]
                 attributed.update(sub)
-    return _Graph(data, children, own, param_only, [n for n in nodes if n not in attributed])
+    return _Graph(data, children, own, param_only)
 
 
 def _timed_backward(loss: Tensor, nodes: Sequence, sync: Callable[[], None]) -> dict:
@@ -253,17 +257,19 @@ def _medians(rows: list[list[float]]) -> list[float]:
 
 def profile_tensors(model: nn.Module, x: Tensor, y: Tensor, *, optimizer: torch.optim.Optimizer | None = None,
                     context: StepContext = no_context, loss_fn=F.cross_entropy, repeats: int = 3,
-                    warmup: int = 1) -> TensorTiming:
-    """Time every trainable tensor of ``model`` on the batch (x, y), in train mode (module docstring).
+                    warmup: int = 1, names: Sequence[str] | None = None) -> TensorTiming:
+    """Time every trainable tensor of ``model`` (or the tensors ``names``, whatever they require now) on the
+    batch (x, y), in train mode (module docstring).
 
     optimizer: the one training uses (its update is timed; its state is restored); context: the step
     context training uses (e.g. BitTrain), entered around forward and backward as the step does. The runs
-    A, B, C and an unhooked full step are interleaved, so that a drift of the machine's speed touches all.
+    A to D, an unhooked full step and an unhooked backward of the last tensor alone are interleaved, so
+    that a drift of the machine's speed touches all.
     """
     started = time.perf_counter()
     by_name = dict(model.named_parameters())
     with Snapshot(model, optimizer):
-        names = execution_order(model, lambda: model(x))
+        names = execution_order(model, lambda: model(x), names)
         if not names:
             raise ValueError("the model has no trainable tensor to profile")
         params = [by_name[n] for n in names]
@@ -317,7 +323,9 @@ def _check_same(a: _Graph, b: _Graph) -> None:
 
 def _attribute(model: nn.Module, graph: _Graph, params: list[Tensor], biases: set[int],
                ranked: tuple[list[float], ...], param_only: list[float]) -> tuple[list[float], list[float], float]:
-    """Node times (runs A, B, C by data node; param-only nodes from A) -> t_dw, t_dy, t_head (module docstring)."""
+    """Node times (runs B, C, D by data node; param-only nodes from A) -> t_dw, t_dy, t_head (module docstring).
+    The node that owns tensor 0 never computes an input gradient: B is tensor 0's own time there, and its other
+    tensors are charged on top of it."""
     n = len(params)
     index = {id(p): k for k, p in enumerate(params)}
     norm_params = {id(p) for m in model.modules() if isinstance(m, NORMS) for p in m.parameters(recurse=False)}
@@ -353,6 +361,13 @@ def predict_backward(timing: TensorTiming, mask: Sequence[bool]) -> float:
     if not any(mask):
         return 0.0
     return timing.t_head + selection_cost(timing.t_dw, timing.t_dy, mask)
+
+
+def predict_step(timing: TensorTiming, mask: Sequence[bool]) -> float:
+    """The time model's training step (seconds: forward, backward, optimizer updates) for ``mask``."""
+    if not any(mask):
+        return timing.t_forward
+    return timing.t_forward + timing.t_head + selection_cost(timing.update_cost(), timing.t_dy, mask)
 
 
 def measure_backward(model: nn.Module, names: Sequence[str], mask: Sequence[bool], x: Tensor, y: Tensor, *,

@@ -25,10 +25,11 @@ from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from pydantic import Field
 
 from edgeflux.elastic.importance import tensor_importance
-from edgeflux.elastic.profile import TensorTiming, execution_order, predict_backward, profile_tensors
+from edgeflux.elastic.profile import TensorTiming, execution_order, predict_backward, predict_step, profile_tensors
 from edgeflux.elastic.select import selection_cost, select_tensors
 from edgeflux.options import Options
 from edgeflux.step import Step
@@ -89,25 +90,31 @@ class ElasticController:
 
     def _reselect(self, epoch: int, state: dict) -> None:
         device, overhead = self._device(), state["overhead_s"]
-        tick = time.perf_counter()
-        if self.timing is None or (self.opts.profile_interval and epoch % self.opts.profile_interval == 0):
-            x, y = (t[:self.batch_size].to(device) for t in self.train)
-            self.timing = profile_tensors(self.step.model, x, y, optimizer=self.step.optimizer,
-                                          context=self.step.context, repeats=self.opts.repeats)
-            state["timing"] = self.timing.to_dict()
-            overhead["profile"] += time.perf_counter() - tick
-        tick = time.perf_counter()
-        importance = tensor_importance(self.step, self.names, *self._probe(epoch, device))
-        overhead["importance"] += time.perf_counter() - tick
+        if self.timing is None and "timing" in state:        # resumed: the time model the run selected with
+            self.timing = TensorTiming(**state["timing"])
+        self._apply([True] * len(self.names))                # profile and probe every candidate
+        # profiling and the probe draw no random numbers from the run (dropout, ...): a resumed run trains the same
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            tick = time.perf_counter()
+            if self.timing is None or (self.opts.profile_interval and epoch % self.opts.profile_interval == 0):
+                x, y = (t[:self.batch_size].to(device) for t in self.train)
+                self.timing = profile_tensors(self.step.model, x, y, optimizer=self.step.optimizer,
+                                              context=self.step.context, repeats=self.opts.repeats,
+                                              loss_fn=getattr(self.step, "loss_fn", F.cross_entropy), names=self.names)
+                state["timing"] = self.timing.to_dict()
+                overhead["profile"] += time.perf_counter() - tick
+            tick = time.perf_counter()
+            importance = tensor_importance(self.step, self.names, *self._probe(epoch, device))
+            overhead["importance"] += time.perf_counter() - tick
         tick = time.perf_counter()
         mask = self.select(importance)
         overhead["select"] += time.perf_counter() - tick
-        predicted = predict_backward(self.timing, mask)
+        step = predict_step(self.timing, mask)
         state["selections"].append({"epoch": epoch, "mask": mask, "importance": importance,
-                                    "predicted_backward_s": predicted})
+                                    "predicted_backward_s": predict_backward(self.timing, mask),
+                                    "predicted_step_s": step})
         log.info("elastic: epoch %d trains %d of %d tensors (deepest %d); predicted step %.1f ms of a full %.1f ms",
-                 epoch, sum(mask), len(mask), mask.index(True), (self.timing.t_forward + predicted) * 1e3,
-                 self.timing.t_full * 1e3)
+                 epoch, sum(mask), len(mask), mask.index(True), step * 1e3, self.timing.t_full * 1e3)
 
     def _probe(self, epoch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.train
@@ -133,11 +140,12 @@ class ElasticController:
         if not all(mask[k] for k in forced):
             need = t.t_forward + t.t_head + selection_cost(cost, t.t_dy, [k in forced for k in range(n)])
             smallest = math.ceil(1000 * need * 1.01 / t.t_full) / 1000     # 1% for the selector's rounding
+            fix = (f"the smallest workable {self.key} is {smallest:.3f}" if smallest <= 1 else
+                   f"no {self.key} fits: train another method, or a model whose classifier is cheaper")
             raise ElasticBudgetError(
                 f"{self.key} = {self.opts.rho:g} asks for training steps of {self.opts.rho * t.t_full * 1e3:.1f} ms, "
                 f"but the forward pass takes {t.t_forward * 1e3:.1f} ms and training only the classifier "
-                f"{need * 1e3:.1f} ms (a full step: {t.t_full * 1e3:.1f} ms, measured); the smallest workable "
-                f"{self.key} is {smallest:.3f}")
+                f"{need * 1e3:.1f} ms (a full step: {t.t_full * 1e3:.1f} ms, measured); {fix}")
         return mask
 
     def _apply(self, mask: Sequence[bool]) -> None:
@@ -160,7 +168,7 @@ def elastic_metrics(state: dict, train_time_s: float) -> dict:
            "elastic_tensors": len(masks[-1]) if masks else 0,
            "elastic_selected_frac": sum(sum(m) / len(m) for m in masks) / len(masks) if masks else 0.0}
     if timing and masks:
-        predicted = sum(s["predicted_backward_s"] for s in state["selections"]) / len(masks)
+        predicted = sum(s["predicted_step_s"] for s in state["selections"]) / len(masks)
         out.update(elastic_t_full_s=timing["t_full"], elastic_t_forward_s=timing["t_forward"],
-                   elastic_predicted_speedup=timing["t_full"] / (timing["t_forward"] + predicted))
+                   elastic_predicted_speedup=timing["t_full"] / predicted)
     return out
