@@ -43,7 +43,7 @@ from rich.logging import RichHandler  # noqa: E402
 
 from bench.common import BenchResult, HelpFormatter, bench_argparser  # noqa: E402
 from bench.mobiletl import load_data, pretrain  # noqa: E402
-from edgeflux.elastic import (ElasticBudgetError, ElasticOptions, profile_tensors, random_selections,  # noqa: E402
+from edgeflux.elastic import (ElasticBudgetError, ElasticOptions, classifier_names, profile_tensors, random_selections,  # noqa: E402
                               validate_time_model)
 from edgeflux.elastic.plot import plot_selections  # noqa: E402
 from edgeflux.finetune import FinetuneOptions, finetune  # noqa: E402
@@ -121,8 +121,8 @@ def validate(pretrained, args, target: dict) -> dict:
     opt = make_optimizer([p for p in model.parameters()], options(args, "full", None))
     timing = profile_tensors(model, x, y, optimizer=opt)
     n = len(timing.names)
-    head = {id(p) for p in model.units[-1].parameters()}
-    always = [k for k, name in enumerate(timing.names) if id(dict(model.named_parameters())[name]) in head]
+    head = classifier_names(model)
+    always = [k for k, name in enumerate(timing.names) if name in head]
     rows = validate_time_model(model, timing, random_selections(n, args.selections, always=always), x, y)
     errors = [abs(r["error"]) for r in rows]
     return {"timing_error": statistics.mean(errors), "timing_error_max": max(errors), "tensors": n,

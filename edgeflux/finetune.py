@@ -48,7 +48,7 @@ from torch.utils.flop_counter import FlopCounterMode, conv_flop_count
 from edgeflux.backprop import BudgetedRun, train_under_budget
 from edgeflux.checkpoint import run_signature
 from edgeflux.data import Images
-from edgeflux.elastic import ElasticController, ElasticOptions, elastic_metrics
+from edgeflux.elastic import ElasticController, ElasticOptions, classifier_names, elastic_metrics
 from edgeflux.elastic.plot import per_epoch
 from edgeflux.mobiletl import quantize_bottom, replace_module, shift_only, top_start, transform_block
 from edgeflux.models import UnitModel, count_params
@@ -94,11 +94,9 @@ def ft_bn(model: UnitModel, opts: FinetuneOptions, calibration: list[Tensor], de
 
 
 def ft_bn_bias(model: UnitModel, opts: FinetuneOptions, calibration: list[Tensor], device: torch.device) -> Prepared:
-    model.requires_grad_(False)
-    _trainable(m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
+    prepared = ft_bn(model, opts, calibration, device)
     _trainable(m.bias for m in model.modules() if isinstance(getattr(m, "bias", None), nn.Parameter))
-    _trainable([model.units[-1]])
-    return Prepared(model)
+    return prepared
 
 
 def ft_bias(model: UnitModel, opts: FinetuneOptions, calibration: list[Tensor], device: torch.device) -> Prepared:
@@ -138,15 +136,13 @@ def mobiletl(model: UnitModel, opts: FinetuneOptions, calibration: list[Tensor],
 def elastic(model: UnitModel, opts: FinetuneOptions, calibration: list[Tensor], device: torch.device) -> Prepared:
     prepared = METHODS[opts.elastic.base](model, opts, calibration, device)
     net = prepared.model
-    head = {id(p) for p in net.units[-1].parameters() if p.requires_grad}
-    classifier = [name for name, p in net.named_parameters() if id(p) in head]
-    controller = ElasticController(opts.elastic, classifier, key="finetune.elastic.rho")
+    controller = ElasticController(opts.elastic, classifier_names(net), key="finetune.elastic.rho")
     return Prepared(net, {**prepared.info, "base": opts.elastic.base}, controller.attach)
 
 
 METHODS: dict[str, Callable[[UnitModel, FinetuneOptions, list[Tensor], torch.device], Prepared]] = {
-    "ft_all": ft_all, "ft_last": ft_last, "ft_bn": ft_bn, "ft_bn_bias": ft_bn_bias, "ft_bias": ft_bias, "ft_blocks": ft_blocks,
-    "mobiletl": mobiletl, "elastic": elastic,
+    "ft_all": ft_all, "ft_last": ft_last, "ft_bn": ft_bn, "ft_bn_bias": ft_bn_bias, "ft_bias": ft_bias,
+    "ft_blocks": ft_blocks, "mobiletl": mobiletl, "elastic": elastic,
 }
 METHOD_NAMES = tuple(METHODS)
 MethodName = Literal[METHOD_NAMES]   # for params validation

@@ -7,11 +7,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def run_bench(script: str, tmp_path: Path, *flags: str, timeout: int = 600) -> dict:
+    """Run bench/<script>.py with `flags`, results into tmp_path; its JSON."""
+    cmd = [sys.executable, f"bench/{script}.py", *flags, "--out", str(tmp_path)]
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True, timeout=timeout)
+    return json.loads((tmp_path / f"{script}.json").read_text())
+
+
 def test_memory_baseline_quick_writes_json_and_markdown(tmp_path):
-    cmd = [sys.executable, "bench/memory_baseline.py", "--quick", "--models", "vgg16", "mobilenet_v2",
-           "--batches", "1", "4", "8", "--out", str(tmp_path)]
-    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True, timeout=600)
-    result = json.loads((tmp_path / "memory_baseline.json").read_text())
+    result = run_bench("memory_baseline", tmp_path, "--quick", "--models", "vgg16", "mobilenet_v2",
+                       "--batches", "1", "4", "8")
     table = (tmp_path / "memory_baseline.md").read_text()
     assert result["machine"]["torch"] and "--quick" in result["command"]
     rows = result["rows"]
@@ -27,9 +32,7 @@ def test_memory_baseline_quick_writes_json_and_markdown(tmp_path):
 
 
 def test_bittrain_quick_writes_table1_and_training_rows(tmp_path):
-    cmd = [sys.executable, "bench/bittrain.py", "--quick", "--models", "vgg16_nobn", "--out", str(tmp_path)]
-    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True, timeout=600)
-    result = json.loads((tmp_path / "bittrain.json").read_text())
+    result = run_bench("bittrain", tmp_path, "--quick", "--models", "vgg16_nobn")
     assert "--quick" in result["command"] and result["copy_bandwidth"]
     rows = result["rows"]
     for r in rows:
@@ -57,9 +60,7 @@ def test_bittrain_quick_writes_table1_and_training_rows(tmp_path):
 
 
 def test_neuroflux_quick_compares_three_methods_at_equal_budgets(tmp_path):
-    cmd = [sys.executable, "bench/neuroflux.py", "--quick", "--out", str(tmp_path)]
-    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True, timeout=900)
-    result = json.loads((tmp_path / "neuroflux.json").read_text())
+    result = run_bench("neuroflux", tmp_path, "--quick", timeout=900)
     rows = result["rows"]
     for r in rows:
         assert {"method", "budget_bytes", "peak_bytes", "time_to_target_s", "test_acc", "params"} <= set(r)
@@ -105,9 +106,7 @@ def test_neuroflux_quick_compares_three_methods_at_equal_budgets(tmp_path):
 
 
 def test_prefetch_quick_times_every_reader_on_the_same_batches(tmp_path):
-    cmd = [sys.executable, "bench/prefetch.py", "--quick", "--out", str(tmp_path)]
-    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True, timeout=600)
-    result = json.loads((tmp_path / "prefetch.json").read_text())
+    result = run_bench("prefetch", tmp_path, "--quick")
     rows = result["rows"]
     assert {r["variant"] for r in rows} == {"no prefetch", "prefetch, decode there", "prefetch, fetch only"}
     assert len({r["case"] for r in rows}) == 3   # the dataset, a float16 cache, a bitmap cache
@@ -127,10 +126,8 @@ def test_batch_throughput_quick_gives_backprop_a_ceiling(tmp_path):
                     "batch_sizes": [16]}],
           "speedups": [{"model": "vgg11-w0.125", "budget_bytes": 1000, "speedup_vs_backprop": 1.5}]}
     (tmp_path / "nf.json").write_text(json.dumps(nf))
-    cmd = [sys.executable, "bench/batch_throughput.py", "--quick", "--threads", "1", "--out", str(tmp_path),
-           "--neuroflux-json", str(tmp_path / "nf.json")]
-    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True, timeout=600)
-    result = json.loads((tmp_path / "batch_throughput.json").read_text())
+    result = run_bench("batch_throughput", tmp_path, "--quick", "--threads", "1",
+                       "--neuroflux-json", str(tmp_path / "nf.json"))
     rows = {r["batch"]: r for r in result["rows"]}
     assert sorted(rows) == [1, 4, 6, 16] and result["settings"]["threads"] == 1
     for b, r in rows.items():
@@ -147,9 +144,7 @@ def test_batch_throughput_quick_gives_backprop_a_ceiling(tmp_path):
 
 
 def test_mobiletl_quick_measures_blocks_transfer_and_budget(tmp_path):
-    cmd = [sys.executable, "bench/mobiletl.py", "--quick", "--threads", "1", "--out", str(tmp_path)]
-    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True, timeout=600)
-    result = json.loads((tmp_path / "mobiletl.json").read_text())
+    result = run_bench("mobiletl", tmp_path, "--quick", "--threads", "1")
     assert "--quick" in result["command"]
     rows = result["rows"]
     keys = {"case", "model", "method", "blocks", "bittrain", "batch", "peak_bytes", "saved_bytes", "flops",
@@ -185,9 +180,7 @@ def test_mobiletl_quick_measures_blocks_transfer_and_budget(tmp_path):
 
 
 def test_elastic_quick_compares_elastic_with_the_baselines(tmp_path):
-    cmd = [sys.executable, "bench/elastic.py", "--quick", "--threads", "1", "--out", str(tmp_path)]
-    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True, timeout=600)
-    result = json.loads((tmp_path / "elastic.json").read_text())
+    result = run_bench("elastic", tmp_path, "--quick", "--threads", "1")
     assert "--quick" in result["command"]
     rows = result["rows"]
     assert {(r["method"], r["rho"]) for r in rows} == {("full", None), ("last_layer", None), ("bn_bias", None),

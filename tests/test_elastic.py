@@ -14,7 +14,8 @@ from torch import nn
 
 from edgeflux.bittrain import BitTrainOptions
 from edgeflux.config import ParamsError, load_params
-from edgeflux.elastic import (ElasticBudgetError, ElasticController, ElasticOptions, execution_order,
+from edgeflux.elastic import (ElasticBudgetError, ElasticController, ElasticOptions, classifier_names,
+                              execution_order,
                               profile_tensors, random_selections, rounded_costs, select_tensors,
                               selection_cost, tensor_importance, validate_time_model)
 from edgeflux.finetune import FinetuneOptions, finetune, prepare
@@ -69,11 +70,6 @@ def _model():
     return build_model("resnet18", num_classes=10, in_channels=1, width=0.25, image_size=32, seed=0).train()
 
 
-def _classifier(model) -> list[str]:
-    head = {id(p) for p in model.units[-1].parameters()}
-    return [n for n, p in model.named_parameters() if id(p) in head]
-
-
 def _batch(n=32, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, 1, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
@@ -103,7 +99,7 @@ def test_time_model_predicts_measured_backward_times():
 def test_unselected_tensors_get_no_gradient_and_nothing_runs_below_the_deepest():
     model, (x, y) = _model(), _batch()
     step = TrainStep.factory(optimizer_factory(FinetuneOptions(optimizer="adam", lr=1e-3)))(model)
-    controller = ElasticController(ElasticOptions(rho=0.4), _classifier(model))
+    controller = ElasticController(ElasticOptions(rho=0.4), classifier_names(model))
     controller.attach(step, (x, y), 32)
     names = controller.names
     deepest = names.index("units.7.conv1.weight")
@@ -149,7 +145,7 @@ def test_importance_is_the_first_order_loss_reduction_of_one_update():
 def test_a_rho_too_small_is_one_line_naming_the_key_and_the_smallest_workable_value(tmp_path):
     model, (x, y) = _model(), _batch()
     step = TrainStep.factory(optimizer_factory(FinetuneOptions(optimizer="adam")))(model)
-    controller = ElasticController(ElasticOptions(rho=0.05), _classifier(model), key="finetune.elastic.rho")
+    controller = ElasticController(ElasticOptions(rho=0.05), classifier_names(model), key="finetune.elastic.rho")
     controller.attach(step, (x, y), 32)
     controller.timing = profile_tensors(model, x, y, optimizer=step.optimizer)
     importance = [1.0] * (len(controller.names) - 2) + [-1.0, -1.0]     # the classifier trains all the same

@@ -14,9 +14,10 @@ from .importance import tensor_importance
 from .profile import (TensorTiming, execution_order, measure_backward, predict_backward, predict_step,
                       profile_tensors, random_selections, validate_time_model)
 from .select import rounded_costs, select_tensors, selection_cost
-from .trainer import ElasticBudgetError, ElasticController, ElasticOptions, elastic_metrics
+from .trainer import ElasticBudgetError, ElasticController, ElasticOptions, classifier_names, elastic_metrics
 
-__all__ = ["ElasticBudgetError", "ElasticController", "ElasticOptions", "TensorTiming", "elastic_metrics",
+__all__ = ["ElasticBudgetError", "ElasticController", "ElasticOptions", "TensorTiming", "classifier_names",
+           "elastic_metrics",
            "execution_order", "measure_backward", "predict_backward", "predict_step", "profile_tensors",
            "random_selections",
            "rounded_costs", "select_tensors", "selection_cost", "tensor_importance", "validate_time_model"]

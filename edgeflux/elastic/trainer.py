@@ -37,7 +37,7 @@ from edgeflux.train import TrainResult
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ElasticBudgetError", "ElasticController", "ElasticOptions", "elastic_metrics"]
+__all__ = ["ElasticBudgetError", "ElasticController", "ElasticOptions", "classifier_names", "elastic_metrics"]
 
 
 class ElasticOptions(Options):
@@ -51,6 +51,12 @@ class ElasticOptions(Options):
     repeats: int = Field(3, ge=1)                # profiling: timed runs per configuration (after one warm-up)
     # the fine-tuning method whose trainable tensors elastic selects among (edgeflux.finetune)
     base: Literal["ft_all", "ft_blocks", "ft_bn", "ft_bn_bias", "ft_bias", "mobiletl"] = "ft_all"
+
+
+def classifier_names(model: torch.nn.Module) -> list[str]:
+    """Names of the trainable tensors of a UnitModel's last unit (the classifier, which always trains)."""
+    head = {id(p) for p in model.units[-1].parameters() if p.requires_grad}
+    return [name for name, p in model.named_parameters() if id(p) in head]
 
 
 class ElasticBudgetError(ValueError):
