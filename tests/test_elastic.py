@@ -93,7 +93,10 @@ def test_time_model_predicts_measured_backward_times():
         if module in norms:
             assert (timing.t_dy[k] > 0) == (kind == "bias"), name
     convs = [k for k, name in enumerate(timing.names) if "conv" in name]
-    assert all(timing.t_dw[k] > 0 and timing.t_dy[k] > 0 for k in convs)   # kernels: weight and input gradients
+    # kernels: the input gradient is a node's own time (run B); the weight gradient a difference of two runs,
+    # which the machine's noise can bring to 0 on a small conv, so it is checked in sum
+    assert all(timing.t_dy[k] > 0 for k in convs)
+    assert sum(timing.t_dw[k] for k in convs) > 0.2 * timing.t_backward
 
 
 def test_unselected_tensors_get_no_gradient_and_nothing_runs_below_the_deepest():
