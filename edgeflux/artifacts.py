@@ -124,6 +124,11 @@ def _feed(h, obj: Any) -> None:
         raise TypeError(f"content_digest: cannot checksum a {type(obj).__name__}")
 
 
+def file_digest(path: str | Path) -> str:
+    """sha256 of a file's bytes: what a run started from, for its checkpoint's signature."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
 def save_checked(path: str | Path, state: dict) -> None:
     """torch.save state plus its content checksum, atomically."""
     save_torch(path, {**state, CHECKSUM_KEY: content_digest(state)})

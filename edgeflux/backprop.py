@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from edgeflux.memory import BatchFit, StepMemory, measure_training_step
@@ -61,13 +62,13 @@ class BudgetedRun:
 
 def choose_batch(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor], num_classes: int, opts: TrainOptions,
                  memory: MemoryOptions, device: torch.device,
-                 context: StepContext | None = None) -> tuple[int, BatchFit | None, StepMemory]:
+                 context: StepContext | None = None, loss_fn=F.cross_entropy) -> tuple[int, BatchFit | None, StepMemory]:
     """The largest batch (<= memory.max_batch) whose measured training-step peak fits memory.budget
     (edgeflux.memory.choose_batch); without a budget, opts.batch_size, measured.
 
     Steps are measured on real training samples, with the step fit trains with (TrainStep, the same context).
     """
-    make_step = TrainStep.factory(optimizer_factory(opts), context=context)
+    make_step = TrainStep.factory(optimizer_factory(opts), loss_fn=loss_fn, context=context)
 
     def measure(x: torch.Tensor, y: torch.Tensor) -> StepMemory:
         return measure_training_step(model, make_step, (x.clone(), y.clone()), (x.clone(), y.clone()), device)
@@ -81,15 +82,17 @@ def train_under_budget(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor
                        test: tuple[torch.Tensor, torch.Tensor], num_classes: int, opts: TrainOptions,
                        memory: MemoryOptions, device: torch.device, checkpoint: Path | None = None,
                        desc: str = "backprop", context: StepContext | None = None,
-                       track_test: bool = False, signature: str = "", make_before_step=None) -> BudgetedRun:
+                       track_test: bool = False, signature: str = "", make_before_step=None,
+                       loss_fn=F.cross_entropy) -> BudgetedRun:
     """Backprop at the largest batch that fits memory.budget (measured). track_test: the history also
     records test accuracy at each evaluation (for time-to-target benchmarks). signature: what else
     defines the run for its checkpoint (fit's `signature`: e.g. the weights it starts from).
-    make_before_step: fit's (a method that re-selects its trainable tensors while training)."""
-    batch, batch_fit, step_memory = choose_batch(model, train, num_classes, opts, memory, device, context)
+    make_before_step: fit's (a method that re-selects its trainable tensors while training). loss_fn: fit's
+    (several exits trained jointly); the measured step uses it too."""
+    batch, batch_fit, step_memory = choose_batch(model, train, num_classes, opts, memory, device, context, loss_fn)
     result = fit(model, train, val, opts, batch, device=device, checkpoint=checkpoint, desc=f"{desc} (batch {batch})",
                  context=context, test=test if track_test else None, signature=signature,
-                 make_before_step=make_before_step)
+                 make_before_step=make_before_step, loss_fn=loss_fn)
     test_acc = evaluate(model, *test, batch_size=batch, device=device)
     log.info("%s: test accuracy %.4f after %.1fs of training", desc, test_acc, result.train_time_s)
     return BudgetedRun(batch, batch_fit, step_memory, result, test_acc, sum(p.numel() for p in model.parameters()))

@@ -28,7 +28,7 @@ from edgeflux.neuroflux.cache import CacheOptions as CacheParams
 from edgeflux.options import Bytes, Options as _Section, parse_bytes
 from edgeflux.train import MemoryOptions, TrainOptions
 
-__all__ = ["BitTrainParams", "Bytes", "CacheParams", "DataParams", "FinetuneParams", "MemoryOptions", "ModelSpec", "NeuroFluxParams",
+__all__ = ["BitTrainParams", "Bytes", "CacheParams", "DataParams", "FinetuneParams", "MEANetParams", "MemoryOptions", "ModelSpec", "NeuroFluxParams",
            "Params", "ParamsError", "PretrainParams", "ReportParams", "TrainBPParams", "TrainOptions", "load_params",
            "parse_bytes", "validate"]
 
@@ -108,6 +108,45 @@ class FinetuneParams(FinetuneOptions):
         return methods
 
 
+class MEANetClientParams(_Section):
+    """How the edge talks to the cloud model server (edgeflux.meanet.cloud.CloudClient)."""
+
+    timeout_s: float = Field(5.0, gt=0)      # per request: a slower cloud is treated as down
+    retries: int = Field(2, ge=0)            # per request, after the first try
+    batch: int = Field(64, ge=1)             # instances per request
+    cooldown_s: float = Field(5.0, ge=0)     # after a request failed every retry, answer on the edge this long
+    ready_timeout_s: float = Field(120.0, gt=0)   # how long the stage waits for the server's /ping
+
+
+class MEANetCostParams(_Section):
+    """Table I's cost model (edgeflux.meanet.cost): the paper's WiFi upload power model and the edge's power."""
+
+    upload_mw_per_mbps: float = Field(283.17, ge=0)
+    upload_base_mw: float = Field(132.86, ge=0)
+    upload_mbps: float = Field(18.88, gt=0)
+    edge_power_w: float = Field(10.0, gt=0)
+
+
+class MEANetParams(TrainOptions, MemoryOptions):
+    """MEANet (stages meanet_cloud, meanet_edge, evaluate_edge_cloud). The training options are the edge's
+    (adaptive + extension blocks, under budget); cloud_epochs trains model A's main block at the cloud."""
+
+    main: str                                # a key of pretrain.models: the main block's CNN
+    cloud: str                               # a key of pretrain.models: the cloud model
+    variant: Literal["A", "B"] = "B"
+    split_after: str | None = None           # the unit whose output is F (the fusion point); null: the variant's default
+    fusion: Literal["sum", "concat"] = "sum"
+    extension_blocks: int = Field(2, ge=1)   # model B
+    n_hard: int | None = Field(None, ge=1)   # null: half of the classes
+    cloud_epochs: int = Field(1, ge=1)       # model A: the main block's training at the cloud
+    threshold: float | None = Field(None, ge=0)   # the router's entropy threshold; null: the middle of (mu_c, mu_w)
+    send: Literal["images", "features"] = "images"
+    sweep: int = Field(5, ge=3)              # thresholds evaluated (mu_c, mu_w and the threshold among them)
+    max_test_samples: int | None = Field(None, ge=1)   # evaluate_edge_cloud: the first of the test split
+    client: MEANetClientParams = MEANetClientParams()
+    cost: MEANetCostParams = MEANetCostParams()
+
+
 class ReportParams(_Section):
     target_acc: float = Field(0.8, gt=0, le=1)
 
@@ -118,6 +157,7 @@ class Params(_Section):
     train_bp: TrainBPParams
     neuroflux: NeuroFluxParams = NeuroFluxParams()
     finetune: FinetuneParams | None = None
+    meanet: MEANetParams | None = None
     report: ReportParams = ReportParams()
 
 
@@ -171,6 +211,10 @@ def validate(raw: dict, where: str = "params.yaml") -> Params:
     if params.finetune is not None and params.finetune.model not in keys:
         raise ParamsError(f"{where}: finetune.model = {params.finetune.model!r}: not a model the pretrain stage "
                           f"trains; allowed: {', '.join(keys)} (the keys of pretrain.models)")
+    for key in ("main", "cloud") if params.meanet is not None else ():
+        if getattr(params.meanet, key) not in keys:
+            raise ParamsError(f"{where}: meanet.{key} = {getattr(params.meanet, key)!r}: not a model the pretrain "
+                              f"stage trains; allowed: {', '.join(keys)} (the keys of pretrain.models)")
     return params
 
 

@@ -32,7 +32,6 @@ fusion layer") does too.
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -215,10 +214,6 @@ class FinetuneRun:
         if state := self.run.train.extra.get("elastic"):
             out.update(elastic_metrics(state, self.run.train.train_time_s))
         return out
-
-
-def file_digest(path: str | Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def calibration_batches(x: Tensor | Images, n: int, size: int = 32) -> list[Tensor]:

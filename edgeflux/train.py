@@ -33,9 +33,10 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from pydantic import Field
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from torch import Tensor, nn
@@ -258,7 +259,8 @@ def fit(model: nn.Module, train: tuple[Tensor | Images, Tensor], val: tuple[Tens
         checkpoint: Path | None = None, signature: str = "", desc: str = "train",
         on_epoch_end: Callable[[int, TrainResult], None] | None = None,
         context: StepContext | None = None, test: tuple[Tensor | Images, Tensor] | None = None,
-        make_before_step: Callable[[Step, tuple, int], Callable[[TrainResult], None]] | None = None) -> TrainResult:
+        make_before_step: Callable[[Step, tuple, int], Callable[[TrainResult], None]] | None = None,
+        loss_fn: Callable[[Any, Tensor], Tensor] = F.cross_entropy) -> TrainResult:
     """Backprop: train ``model`` in place for ``opts.epochs`` epochs at ``batch_size`` through train_loop.
 
     ``context(model)`` is entered around each forward and backward (how activations are saved, e.g.
@@ -266,17 +268,20 @@ def fit(model: nn.Module, train: tuple[Tensor | Images, Tensor], val: tuple[Tens
     (opts.seed, epoch). ``test``: also record test accuracy at every evaluation (benchmarks'
     time-to-target curves; never used to choose anything). ``make_before_step(step, train, batch_size)``:
     the loop's ``before_step`` hook, built for the step that trains (e.g. ElasticTrainer's selection).
+    ``loss_fn(model(x), y)``: the training loss (a model with several exits returns them all while training).
     """
     device = torch.device(device)
     context = context or no_context
     x_train, y_train = train
     step = TrainStep.factory(optimizer_factory(opts.model_copy(update={"lr": opts.lr_for(batch_size)})),
-                             context=context)(model.to(device))
+                             loss_fn=loss_fn, context=context)(model.to(device))
     # What the run is: options, batch, how activations are saved, and the data (a checkpoint of a run on a
     # split prepared differently since is not resumed). Not the starting weights: a fresh process builds
     # them anew; a caller fine-tuning loaded weights passes their identity (and its method) as `signature`.
     parts = dict(opts=opts.model_dump(), batch_size=batch_size, context=_describe(context),
                  data=tensor_digest(x_train, y_train, *val))
+    if loss_fn is not F.cross_entropy:   # (only then: the signatures of existing checkpoints stay as they were)
+        parts["loss"] = loss_fn.__qualname__
     signature = run_signature(**parts, start=signature) if signature else run_signature(**parts)
 
     def evaluate_now() -> dict:

@@ -27,7 +27,9 @@ from edgeflux.memory import BudgetTooSmallError
 from edgeflux.elastic import ElasticBudgetError
 from edgeflux.mobiletl import BlocksError
 from edgeflux.neuroflux.profile import PoorFitError
+from edgeflux.meanet.model import MEANetConfigError
 from edgeflux.tracking import TrackingStoreError
+from pipeline.cloud import CloudServerError
 from edgeflux.train import DeviceUnavailableError
 
 
@@ -38,7 +40,8 @@ class StageRunningError(Exception):
 # Errors that are the user's to fix: shown as one message, no traceback.
 USER_ERRORS = (ParamsError, DatasetNotFoundError, DataParamsError, PreparedDataError, BudgetTooSmallError,
                PoorFitError, CorruptFileError, FileNotFoundError, StageRunningError, DeviceUnavailableError,
-               TrackingStoreError, WriteError, BlocksError, ElasticBudgetError)
+               TrackingStoreError, WriteError, BlocksError, ElasticBudgetError, MEANetConfigError,
+               CloudServerError)
 # What the machine refuses (a full disk, a read-only directory): one line naming the file, no traceback.
 MACHINE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 

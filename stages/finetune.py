@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edgeflux.artifacts import load_model, model_fix, save_model, write_json
+from edgeflux.artifacts import file_digest, load_model, model_fix, save_model, write_json
 from edgeflux.config import ParamsError
 from edgeflux.data import PreparedDataError, load_prepared, tensors
 from edgeflux.elastic.plot import plot_selections
-from edgeflux.finetune import METHOD_NAMES, file_digest, finetune
+from edgeflux.finetune import METHOD_NAMES, finetune
 from edgeflux.tracking import stage_run
 from edgeflux.train import resolve_device
 from stages.common import peak_rss_bytes, run_stage, stage_parser, write_history_csv

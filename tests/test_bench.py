@@ -198,3 +198,20 @@ def test_elastic_quick_compares_elastic_with_the_baselines(tmp_path):
     assert (tmp_path / "elastic.png").stat().st_size > 10_000
     assert (tmp_path / "elastic_selections_resnet18-w0.25.png").stat().st_size > 5_000
     assert "| resnet18-w0.25 | elastic | 0.5 |" in (tmp_path / "elastic.md").read_text()
+
+
+def test_meanet_quick_trains_the_edge_and_routes_through_the_real_cloud(tmp_path):
+    result = run_bench("meanet", tmp_path, "--quick", "--threads", "1")
+    [row] = result["rows"]
+    assert {"model", "variant", "hard_acc_main", "hard_acc_meanet", "all_acc_main", "all_acc_meanet", "cloud_acc",
+            "edge_train_peak_bytes", "joint_train_peak_bytes", "sweep"} <= set(row)
+    assert (row["model"], row["variant"]) == ("resnet18", "B")
+    assert 0 < row["edge_train_peak_bytes"] < row["joint_train_peak_bytes"]
+    assert row["fixed_params"] > 0 and row["trained_params"] > 0 and row["trained_macs"] > 0
+    assert len(row["sweep"]) >= 3 and all(r["answered"] == 256 and r["fallbacks"] == 0 for r in row["sweep"])
+    for r in row["sweep"]:
+        assert {"threshold", "acc", "cloud_frac", "edge_energy_j", "latency_s"} <= set(r)
+    fracs = [r["cloud_frac"] for r in sorted(row["sweep"], key=lambda r: r["threshold"])]
+    assert fracs == sorted(fracs, reverse=True)          # a higher threshold never sends more
+    assert (tmp_path / "meanet.png").stat().st_size > 10_000
+    assert (tmp_path / "meanet_resnet18_B_sweep.png").stat().st_size > 10_000

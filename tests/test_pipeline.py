@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -26,7 +27,11 @@ QUICK = {
     "neuroflux": {"model": {"name": "vgg11", "width": 0.125}, "budget": "2MB", "max_batch": 64, "epochs": 1,
                   "max_train_samples": 400, "evals_per_epoch": 1, "profile_batches": [8, 16, 32], "min_r2": 0.9,
                   "cache": {"storage": "float16", "threshold": 0.0, "shard_size": "256KiB"}, "device": "cpu"},
+    "meanet": {"main": "mobilenet_v2-w0.25", "cloud": "vgg11-w0.125", "extension_blocks": 1, "budget": "8MB",
+               "max_batch": 32, "epochs": 1, "max_train_samples": 400, "evals_per_epoch": 1, "max_test_samples": 200,
+               "sweep": 3, "device": "cpu"},
 }
+MEANET = ["meanet_cloud", "meanet_edge", "evaluate_edge_cloud"]
 NEUROFLUX = ["profile", "partition", "train_blocks", "select_exit"]
 
 
@@ -44,7 +49,7 @@ def sh(cmd, cwd, check=True):
 def project(tmp_path_factory):
     """A fresh git + DVC repository holding this project's pipeline, with CI-sized params."""
     root = tmp_path_factory.mktemp("project")
-    for item in ("edgeflux", "stages", "dvc.yaml"):
+    for item in ("edgeflux", "stages", "pipeline", "dvc.yaml"):
         src = REPO / item
         (shutil.copytree if src.is_dir() else shutil.copy)(src, root / item)
     params = yaml.safe_load((REPO / "params.yaml").read_text())
@@ -59,7 +64,7 @@ def project(tmp_path_factory):
 def test_repro_then_noop_then_exp_run(project):
     first = sh("dvc repro", project)
     for stage in ("prepare", "pretrain", "train_bp", *NEUROFLUX, "finetune@mobiletl", "finetune@ft_all",
-                  "finetune@elastic", "report"):
+                  "finetune@elastic", *MEANET, "report"):
         assert f"Running stage '{stage}'" in first.stdout
     metrics = json.loads((project / "metrics/train_bp.json").read_text())
     assert metrics["peak_mem_bytes"] <= metrics["budget_bytes"] == 3_000_000
@@ -101,6 +106,19 @@ def test_repro_then_noop_then_exp_run(project):
     assert len(elastic["elastic"]["selections"][0]["mask"]) == len(elastic["elastic"]["names"])
     assert all((project / f"plots/finetune/{m}_tensors.png").stat().st_size > 5_000 for m in tuned)
 
+    # MEANet: 5 hard classes of 10, the edge's step within budget and below joint optimisation's, every test
+    # instance answered through the real cloud server (started and stopped by the stage), nothing left running
+    hard = json.loads((project / "models/meanet/hard_classes.json").read_text())
+    assert len(hard["class_map"]) == 5 and sorted(hard["class_map"].values()) == list(range(5))
+    edge = json.loads((project / "metrics/meanet_edge.json").read_text())
+    assert edge["peak_mem_bytes"] <= edge["budget_bytes"] == 8_000_000 and edge["peak_vs_joint"] < 1
+    routed = json.loads((project / "metrics/evaluate_edge_cloud.json").read_text())
+    assert routed["test_instances"] == 200 and routed["fallbacks"] == 0
+    assert routed["detail"]["cloud_only"]["exit_cloud"] == 200 and routed["detail"]["at_threshold"]["answered"] == 200
+    assert (project / "models/meanet/cloud/MLmodel").exists() and (project / "plots/meanet_sweep.png").exists()
+    assert not [p.info for p in psutil.process_iter(["cmdline", "cwd"]) if p.info["cwd"] == str(project)
+                and any(w in " ".join(p.info["cmdline"] or []) for w in ("mlflow", "uvicorn"))]
+
     second = sh("dvc repro", project)
     assert "Running stage" not in second.stdout
     assert "Data and pipelines are up to date" in second.stdout
@@ -126,7 +144,7 @@ def test_repro_then_noop_then_exp_run(project):
     assert len(parents) == 2  # the first repro and the exp run
     assert sorted(r.data.tags["edgeflux.stage"] for r in first_children) == sorted(
         ["prepare", "pretrain", "train_bp", *NEUROFLUX, "finetune@mobiletl", "finetune@ft_all", "finetune@elastic",
-         "report", "train_bp",
+         *MEANET, "report", "train_bp",
          "report"])
     bp = [r for r in first_children if r.data.tags["edgeflux.stage"] == "train_bp"]
     assert {r.data.params["lr"] for r in bp} == {"0.05", "0.01"}
@@ -237,7 +255,9 @@ def test_stage_graph_is_read_from_dvc_yaml():
     assert graph == {"prepare": set(), "pretrain": {"prepare"}, "train_bp": {"prepare"},
                      "profile": {"prepare"}, "partition": {"profile"},
                      "train_blocks": {"prepare", "profile", "partition"}, "select_exit": {"prepare", "train_blocks"},
-                     "finetune": {"prepare", "pretrain"},
+                     "finetune": {"prepare", "pretrain"}, "meanet_cloud": {"prepare", "pretrain"},
+                     "meanet_edge": {"prepare", "meanet_cloud"},
+                     "evaluate_edge_cloud": {"prepare", "meanet_cloud", "meanet_edge"},
                      "report": {"pretrain", "train_bp", "train_blocks", "select_exit", "finetune"}}
     assert stages_for("select_exit", graph) == ["prepare", "profile", "partition", "train_blocks", "select_exit"]
     assert stages_for("train_bp", graph) == ["prepare", "train_bp"]

@@ -1,0 +1,81 @@
+"""Stage evaluate_edge_cloud (MEANet, Algorithm 2 and Table I): inference on the edge with a real cloud over HTTP.
+
+Starts MLflow's model server on models/meanet/cloud (127.0.0.1, a free port) and always stops it, even when
+the stage fails. On the device's test split it measures: the edge alone (Tables II-III: hard-class and
+all-class accuracy, main block vs MEANet), the cloud alone, and the edge-cloud system at meanet.threshold
+(null: the middle of the validation entropy range (mu_correct, mu_wrong)) and at meanet.sweep thresholds.
+A request the cloud does not answer in time (after meanet.client.retries) is answered on the edge and
+counted as a fallback: no instance is dropped. Energy and latency come from Table I's model: the edge's
+inference time (main block, extension path) and the HTTP round trip measured here, the upload and the edge's
+power modelled (meanet.cost).
+
+Writes metrics/evaluate_edge_cloud.json, plots/meanet_sweep.csv (a DVC plot: accuracy, share sent to the
+cloud, edge energy and latency per threshold) and plots/meanet_sweep.png (Figs. 7-8).
+"""
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+
+from edgeflux.artifacts import atomic_write, read_json, write_json
+from edgeflux.data import load_prepared, tensors
+from edgeflux.meanet.cloud import CloudClient
+from edgeflux.meanet.cost import CostModel, cost_params
+from edgeflux.meanet.evaluate import edge_cloud_report, edge_tables
+from edgeflux.meanet.hard import HardClasses
+from edgeflux.meanet.model import load_meanet
+from edgeflux.meanet.plot import plot_sweep
+from edgeflux.tracking import stage_run
+from pipeline.cloud import ModelServer
+from stages.common import run_stage, stage_parser
+
+EDGE, HARD, CLOUD = Path("models/meanet/edge.pt"), Path("models/meanet/hard_classes.json"), Path("models/meanet/cloud")
+METRICS, SWEEP_CSV, SWEEP_PNG = Path("metrics/evaluate_edge_cloud.json"), Path("plots/meanet_sweep.csv"), Path("plots/meanet_sweep.png")
+SERVER_LOG = Path(".edgeflux/logs/cloud_server.log")
+SWEEP_COLUMNS = ("threshold", "acc", "cloud_frac", "edge_energy_j", "latency_s", "fallbacks")
+
+
+def write_sweep_csv(path: Path, rows: list[dict]) -> None:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=SWEEP_COLUMNS, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write(path, lambda p: p.write_text(buf.getvalue()))
+
+
+def main(args, params) -> None:
+    p = params.meanet
+    net, _ = load_meanet(EDGE, "meanet_edge")
+    stats = read_json(HARD, "run `dvc repro meanet_cloud`", checksum=True)
+    hard, mu = HardClasses.from_dict(stats), (stats["mu_correct"], stats["mu_wrong"])
+    x, y = tensors(load_prepared(Path("data/prepared")), "target_test", limit=p.max_test_samples)
+    threshold = p.threshold if p.threshold is not None else sum(mu) / 2
+    c = p.client
+    with stage_run("evaluate_edge_cloud", p.model_dump()) as run:
+        tables = edge_tables(net, hard, x, y)
+        with ModelServer(CLOUD, ready_timeout_s=c.ready_timeout_s, log_path=SERVER_LOG) as server, \
+                CloudClient(server.url, timeout_s=c.timeout_s, retries=c.retries, cooldown_s=c.cooldown_s) as client:
+            report = edge_cloud_report(net, hard, client, x, y, mu, threshold, p.sweep, CostModel(**p.cost.model_dump()),
+                                       stats["send"], c.batch)
+            client_stats = vars(client.stats).copy()
+        edge, cloud, both = report["edge_only"], report["cloud_only"], report["at_threshold"]
+        metrics = {**tables, "threshold": threshold, "mu_correct": mu[0], "mu_wrong": mu[1],
+                   "edge_acc": edge["acc"], "cloud_acc": cloud["acc"], "edge_cloud_acc": both["acc"],
+                   "cloud_frac": both["cloud_frac"], "fallbacks": sum(r["fallbacks"] for r in (cloud, *report["sweep"])),
+                   "edge_energy_j": edge["edge_energy_j"], "cloud_energy_j": cloud["edge_energy_j"],
+                   "edge_cloud_energy_j": both["edge_energy_j"], "edge_latency_s": edge["latency_s"],
+                   "cloud_latency_s": cloud["latency_s"], "edge_cloud_latency_s": both["latency_s"],
+                   "round_trip_s": report["round_trip_s"], "upload_bytes": report["upload_bytes"],
+                   "test_instances": len(y), "send": stats["send"]}
+        write_json(METRICS, {**metrics, "detail": report, "cost_model": cost_params(CostModel(**p.cost.model_dump())),
+                             "client": client_stats})
+        write_sweep_csv(SWEEP_CSV, report["sweep"])
+        plot_sweep(report["sweep"], edge, cloud, mu, threshold, SWEEP_PNG)
+        run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+        for path in (METRICS, SWEEP_CSV, SWEEP_PNG):
+            run.log_artifact(path)
+
+
+if __name__ == "__main__":
+    run_stage(main, stage_parser(__doc__))
