@@ -127,7 +127,12 @@ class MEANetCostParams(_Section):
     edge_power_w: float = Field(10.0, gt=0)
 
 
-class MEANetParams(TrainOptions, MemoryOptions):
+class MEANetEdgeOptions(TrainOptions, MemoryOptions):
+    """What the edge's training reads of the meanet section: its checkpoint's signature (and dvc.yaml's params of
+    meanet_edge), so that a change to the router's settings neither reruns nor restarts it."""
+
+
+class MEANetParams(MEANetEdgeOptions):
     """MEANet (stages meanet_cloud, meanet_edge, evaluate_edge_cloud). The training options are the edge's
     (adaptive + extension blocks, under budget); cloud_epochs trains model A's main block at the cloud."""
 
@@ -145,6 +150,10 @@ class MEANetParams(TrainOptions, MemoryOptions):
     max_test_samples: int | None = Field(None, ge=1)   # evaluate_edge_cloud: the first of the test split
     client: MEANetClientParams = MEANetClientParams()
     cost: MEANetCostParams = MEANetCostParams()
+
+    def edge_options(self) -> MEANetEdgeOptions:
+        """The training options alone (already validated here: a budget is bytes now, not '64MB')."""
+        return MEANetEdgeOptions.model_construct(**{key: getattr(self, key) for key in MEANetEdgeOptions.model_fields})
 
 
 class ReportParams(_Section):

@@ -17,15 +17,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from torch import nn
 
-from edgeflux.artifacts import load_model, write_json
+from edgeflux.artifacts import file_digest, load_model, write_json
+from edgeflux.checkpoint import run_signature
 from edgeflux.config import ParamsError
 from edgeflux.data import load_prepared, tensors
 from edgeflux.meanet.hard import entropy_range, hard_classes
-from edgeflux.meanet.model import MEANetConfigError, MEANetSpec, build_meanet, main_block, save_meanet
+from edgeflux.meanet.model import MEANetConfigError, MEANetSpec, build_meanet, check_n_hard, main_block, save_meanet
 from edgeflux.meanet.train import main_logits, train_main_block
-from edgeflux.models import count_params
+from edgeflux.models import count_params, eval_mode
 from edgeflux.tracking import save_model_dir, stage_run
 from edgeflux.train import resolve_device
 from stages.common import run_stage, stage_parser
@@ -38,6 +40,7 @@ CHECKPOINT = Path(".edgeflux/checkpoints/meanet_cloud.pt")
 
 def spec_of(p, num_classes: int) -> MEANetSpec:
     n_hard = num_classes // 2 if p.n_hard is None else p.n_hard
+    check_n_hard(n_hard, num_classes)   # before model A's training at the cloud, not after it
     return MEANetSpec(variant=p.variant, split_after=p.split_after, fusion=p.fusion, n_hard=n_hard,
                       extension_blocks=p.extension_blocks, num_classes=num_classes)
 
@@ -65,7 +68,8 @@ def main(args, params) -> None:
         metrics = {"variant": p.variant, "main": p.main, "cloud": p.cloud, "split_after": model.unit_names[k - 1]}
         if p.variant == "A":
             opts = params.pretrain.model_copy(update={"epochs": p.cloud_epochs})
-            trained = train_main_block(model, main_model, k, train, val, test, opts, device, CHECKPOINT)
+            start = run_signature(pretrained=file_digest(PRETRAINED / f"{p.main}.pt"), split=k, spec=spec.to_dict())
+            trained = train_main_block(model, main_model, k, train, val, test, opts, device, CHECKPOINT, start)
             metrics["main_train_time_s"] = trained.train.train_time_s
             model.cpu(), main_model.cpu()
         net = build_meanet(model, spec, model.build_args, main=main_model)
@@ -73,7 +77,8 @@ def main(args, params) -> None:
         hard = hard_classes(logits, val[1], spec.n_hard)
         mu_c, mu_w = entropy_range(logits, val[1])
         cloud = model.head(k) if p.send == "features" else pretrained(p.cloud)
-        example = net.features(test[0][:2]) if p.send == "features" else test[0][:2]
+        with eval_mode(net), torch.no_grad():   # (train mode would move the main block's BatchNorm statistics)
+            example = net.features(test[0][:2]) if p.send == "features" else test[0][:2]
         metrics.update(main_val_acc=(logits.argmax(1) == val[1]).float().mean().item(),
                        main_params=count_params(net.main), cloud_params=count_params(cloud), mu_correct=mu_c, mu_wrong=mu_w,
                        hard_classes=[data.classes[c] for c in hard.hard])

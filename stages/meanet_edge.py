@@ -41,8 +41,8 @@ def main(args, params) -> None:
     data, device = load_prepared(Path("data/prepared")), resolve_device(p.device)
     train = tensors(data, "target_train", limit=p.max_train_samples)
     val, test = tensors(data, "target_val"), tensors(data, "target_test")
-    with stage_run("meanet_edge", p.model_dump()) as run:
-        result = train_edge(net, hard, train, val, test, p, device, CHECKPOINT,
+    with stage_run("meanet_edge", p.edge_options().model_dump()) as run:
+        result = train_edge(net, hard, train, val, test, p.edge_options(), device, CHECKPOINT,
                             signature=run_signature(main=file_digest(MAIN), hard=file_digest(HARD)))
         net.cpu()
         joint = joint_step_memory(net, hard, result.batch_size, train, p, device)

@@ -297,3 +297,11 @@ def test_the_real_cloud_server_stopped_mid_batch_leaves_every_instance_answered(
     alone = Router(net, hard)(x)
     assert torch.equal(routed.pred[32:], alone.pred[32:])
     assert not _group_alive(pid)                      # mlflow and its uvicorn worker are gone
+
+
+def test_a_cloud_answering_for_other_classes_is_a_fallback_not_a_wrong_answer(routed_setup, mnist_subset):
+    net, hard, _ = routed_setup
+    x = tensors(mnist_subset, "target_test")[0][:20]
+    routed = Router(net, hard, -1.0, lambda batch: torch.zeros(len(batch), 3))(x)
+    assert routed.counts()["fallback"] == 20 and "3 classes" not in routed.cloud_errors[0]
+    assert "10 classes" in routed.cloud_errors[0]

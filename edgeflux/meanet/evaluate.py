@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from edgeflux.models import eval_mode
 from edgeflux.neuroflux.exit import throughput
 
 from .cost import CostModel, inference_costs
@@ -37,8 +38,7 @@ def edge_tables(net: MEANet, hard: HardClasses, x, y: Tensor) -> dict:
     x_h, y_h = select_hard(x, y, hard)
     mask = hard.lookup()[y] >= 0
     routed = Router(net, hard).route(x)
-    with torch.no_grad():
-        net.eval()
+    with eval_mode(net), torch.no_grad():
         y2 = torch.cat([net(x_h[i:i + 512]) for i in range(0, len(x_h), 512)]) if len(x_h) else torch.empty(0, 1)
     return {"hard_acc_main": (y1[mask].argmax(1) == y[mask]).float().mean().item(),
             "hard_acc_meanet": (y2.argmax(1) == y_h).float().mean().item() if len(y_h) else 0.0,
@@ -96,20 +96,30 @@ def route_once(net: MEANet, hard: HardClasses, cloud: Callable[[Tensor], Tensor]
     round trip per instance the cloud answered."""
     routed = Router(net, hard, threshold, cloud, send, cloud_batch).route(x)
     counts, n = routed.counts(), max(1, len(y))
-    return {"threshold": threshold, "acc": routed.accuracy(y), "cloud_frac": counts["cloud"] / n,
+    return {"threshold": threshold, "send": send, "acc": routed.accuracy(y), "cloud_frac": counts["cloud"] / n,
             "sent_frac": (counts["cloud"] + counts["fallback"]) / n, "fallbacks": counts["fallback"],
-            "answered": int(sum(counts.values())), **{f"exit_{k}": counts[k] for k in EXITS},
+            "answered": len(routed.pred), **{f"exit_{k}": counts[k] for k in EXITS},
             "extension_share": routed.extension_runs / n,
-            "round_trip_s": routed.cloud_s / counts["cloud"] if counts["cloud"] else None}
+            "round_trip_s": routed.answered_s / counts["cloud"] if counts["cloud"] else None}
 
 
 def with_costs(row: dict, cost: CostModel, latency: EdgeLatency, round_trip_s: float, upload_bytes: int,
                n: int) -> dict:
-    """The row with Table I's edge energy and latency for its share sent and its extension share."""
+    """The row with Table I's edge energy and latency for its share sent and its extension share. Cloud-only
+    (a negative threshold) computes on the edge only what the cloud did not answer (fallbacks), and F for every
+    instance in features mode (Table I's q·x)."""
+    system = "edge" if row["threshold"] is None else "cloud" if row["threshold"] < 0 else "edge-cloud"
     edge_s = latency.per_instance(row["extension_share"])
+    if system == "cloud":
+        main_share = 1.0 if row["send"] == "features" else row["fallbacks"] / max(1, n)
+        edge_s = main_share * latency.main_s + row["extension_share"] * latency.extension_s
     systems = {r["system"]: r for r in inference_costs(cost, edge_s, edge_s, round_trip_s, row["sent_frac"],
                                                        upload_bytes, n)}
-    system = systems["edge" if row["threshold"] is None else "cloud" if row["threshold"] < 0 else "edge-cloud"]
+    system = systems[system]
+    if system["system"] == "cloud":   # inference_costs' cloud row assumes no edge compute: add what ran
+        system = {**system, "edge_compute_j": n * cost.edge_power_w * edge_s}
+        system["edge_energy_j"] = system["edge_compute_j"] + system["upload_j"]
+        system["latency_s"] += n * edge_s
     return {**row, "edge_energy_j": system["edge_energy_j"], "latency_s": system["latency_s"], "system": system["system"]}
 
 

@@ -37,7 +37,7 @@ from torchvision.models.mobilenetv2 import InvertedResidual
 from torchvision.models.resnet import BasicBlock
 
 from edgeflux.artifacts import load_checked, model_fix, save_checked
-from edgeflux.models import UnitModel, build_model, count_params
+from edgeflux.models import UnitModel, build_model, count_params, eval_mode
 from edgeflux.models.units import freeze
 
 VARIANTS = ("A", "B")
@@ -116,9 +116,8 @@ def adaptive_block(model: UnitModel, k: int) -> nn.Sequential:
             stages.append((u.out_shape[0], u.out_shape[-1]))
     layers, c_in, size = [], model.in_channels, model.image_size
     for i, (c_out, out_size) in enumerate(stages):
-        if size % out_size:
-            raise MEANetConfigError(f"{model.name}: stage size {size} -> {out_size} is not an integer stride")
-        layers.append(_conv_bn(c_in, c_out, size // out_size, relu=i < len(stages) - 1))
+        # a 3x3 conv, padding 1, stride s gives ceil(size / s): 7 -> 4 at stride 2, as the main block's own
+        layers.append(_conv_bn(c_in, c_out, max(1, round(size / out_size)), relu=i < len(stages) - 1))
         c_in, size = c_out, out_size
     return nn.Sequential(*layers)
 
@@ -228,7 +227,20 @@ def build_meanet(model: UnitModel, spec: MEANetSpec, build_args: dict | None = N
         else:
             k = split_index(model, spec)
         adaptive, extension = adaptive_block(model, k), extension_block(model, k, spec)
-    return MEANet(main, k, adaptive, extension, spec, build_args)
+    net = MEANet(main, k, adaptive, extension, spec, build_args)
+    _check_shapes(net, model)
+    return net
+
+
+def _check_shapes(net: MEANet, model: UnitModel) -> None:
+    """The adaptive block must give F's shape (a dry forward of one zero image, in eval mode)."""
+    x = torch.zeros(1, model.in_channels, model.image_size, model.image_size,
+                    device=next(model.parameters()).device)
+    with eval_mode(net), torch.no_grad():
+        f, f2 = net.features(x), net.adaptive(x)
+    if f.shape != f2.shape:
+        raise MEANetConfigError(f"{model.name} at {model.image_size}x{model.image_size}: the adaptive block gives "
+                                f"{tuple(f2.shape[1:])}, F is {tuple(f.shape[1:])}; choose another meanet.split_after")
 
 
 def save_meanet(path, net: MEANet, meta: dict | None = None) -> None:
@@ -282,8 +294,7 @@ def block_costs(net: MEANet, sample: torch.Tensor) -> dict:
     """Table VI: parameters and multiply-adds per instance (torch.utils.flop_counter, 2 FLOPs a multiply-add) of
     the fixed main block and of the trained adaptive and extension blocks."""
     x = sample[:1]
-    with torch.no_grad():
-        net.eval()
+    with eval_mode(net):
         with FlopCounterMode(display=False) as fixed:
             _, features = net.main_exit(x)
         with FlopCounterMode(display=False) as trained:

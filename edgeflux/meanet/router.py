@@ -44,9 +44,10 @@ class Routed:
     exit: Tensor
     entropy: Tensor
     edge_s: float = 0.0
-    cloud_s: float = 0.0
+    cloud_s: float = 0.0        # waiting for the cloud: answered requests and failed ones
     cloud_errors: list[str] = field(default_factory=list)
     extension_runs: int = 0     # instances the adaptive and extension blocks ran for (whichever exit answered)
+    answered_s: float = 0.0     # waiting for the requests the cloud answered: the round trips
 
     def counts(self) -> dict[str, int]:
         return {name: int((self.exit == i).sum()) for i, name in enumerate(EXITS)}
@@ -60,10 +61,13 @@ class Routed:
 
     @staticmethod
     def join(parts: list[Routed]) -> Routed:
+        if not parts:
+            empty = torch.empty(0, dtype=torch.long)
+            return Routed(empty, empty, torch.empty(0))
         return Routed(torch.cat([p.pred for p in parts]), torch.cat([p.exit for p in parts]),
                       torch.cat([p.entropy for p in parts]), sum(p.edge_s for p in parts),
                       sum(p.cloud_s for p in parts), [e for p in parts for e in p.cloud_errors],
-                      sum(p.extension_runs for p in parts))
+                      sum(p.extension_runs for p in parts), sum(p.answered_s for p in parts))
 
 
 def confidence(logits: Tensor) -> Tensor:
@@ -86,51 +90,57 @@ class Router:
 
     @torch.no_grad()
     def __call__(self, x: Tensor) -> Routed:
-        """Route one batch."""
+        """Route one batch (on the network's device); the answers come back on the CPU."""
         start = time.perf_counter()
+        device = next(self.net.parameters()).device
+        x = x.to(device)
         with eval_mode(self.net):
             y1, features = self.net.main_exit(x)
             h = entropy(y1)
-            pred, exit_ = y1.argmax(1), torch.zeros(len(x), dtype=torch.long)
-            sent = torch.zeros(len(x), dtype=torch.bool)
-            if self.cloud is not None:
-                sent = h > self.threshold
-            cloud_s, errors, answered = self._ask_cloud(x if self.send == "images" else features, sent, pred)
+            pred, exit_ = y1.argmax(1), torch.zeros(len(x), dtype=torch.long, device=device)
+            sent = h > self.threshold if self.cloud is not None else torch.zeros_like(pred, dtype=torch.bool)
+            waited, answered_s, errors, answered = self._ask_cloud(x if self.send == "images" else features, sent,
+                                                                   pred, y1.shape[1])
             exit_[answered] = EXITS.index("cloud")
-            edge = ~answered
-            runs = self._extension(x, features, y1, edge, pred, exit_)
+            runs = self._extension(x, features, y1, ~answered, pred, exit_)
             exit_[sent & ~answered] = EXITS.index("fallback")
-        edge_s = time.perf_counter() - start - cloud_s
-        return Routed(pred, exit_, h, edge_s, cloud_s, errors, runs)
+        edge_s = time.perf_counter() - start - waited
+        return Routed(pred.cpu(), exit_.cpu(), h.cpu(), edge_s, waited, errors, runs, answered_s)
 
-    def _ask_cloud(self, inputs: Tensor, sent: Tensor, pred: Tensor) -> tuple[float, list[str], Tensor]:
+    def _ask_cloud(self, inputs: Tensor, sent: Tensor, pred: Tensor,
+                   classes: int) -> tuple[float, float, list[str], Tensor]:
         """Send the chosen instances in chunks; write the cloud's answers into pred. Returns (seconds waited,
-        the errors of chunks that failed, which instances the cloud answered)."""
+        seconds of the answered requests, the errors of chunks that failed, which instances the cloud answered).
+        An answer that is not one row of `classes` logits per instance counts as a failure."""
         answered = torch.zeros_like(sent)
         if self.cloud is None or not sent.any():
-            return 0.0, [], answered
-        index = torch.nonzero(sent).flatten()
-        errors, start = [], time.perf_counter()
-        for chunk in index.split(self.cloud_batch):
+            return 0.0, 0.0, [], answered
+        errors, answered_s, start = [], 0.0, time.perf_counter()
+        for chunk in torch.nonzero(sent).flatten().split(self.cloud_batch):
+            asked = time.perf_counter()
             try:
                 logits = self.cloud(inputs[chunk])
+                if tuple(logits.shape) != (len(chunk), classes):
+                    raise CloudUnavailable(f"the cloud answered {tuple(logits.shape)} for {len(chunk)} instances "
+                                           f"of {classes} classes (a model for other classes?)")
             except CloudUnavailable as exc:
                 errors.append(str(exc))
                 continue
-            pred[chunk] = logits.argmax(1).to(pred.dtype)
+            answered_s += time.perf_counter() - asked
+            pred[chunk] = logits.argmax(1).to(pred.device, pred.dtype)
             answered[chunk] = True
-        return time.perf_counter() - start, errors, answered
+        return time.perf_counter() - start, answered_s, errors, answered
 
     def _extension(self, x: Tensor, features: Tensor, y1: Tensor, edge: Tensor, pred: Tensor, exit_: Tensor) -> int:
-        """For edge instances predicted as hard: the extension exit answers where it is more confident.
-        Returns how many instances it ran for."""
-        hard = edge & (self.table[y1.argmax(1)] >= 0)
+        """For edge instances predicted as hard: the extension exit answers unless the main exit is more
+        confident (Algorithm 2: ŷ1 only if Confidence(ŷ1) > Confidence(ŷ2)). Returns how many it ran for."""
+        hard = edge & (self.table.to(x.device)[y1.argmax(1)] >= 0)
         if not hard.any():
             return 0
         index = torch.nonzero(hard).flatten()
         y2 = self.net.extension_exit(x[index], features[index])
-        better = confidence(y2) > confidence(y1[index])
-        pred[index[better]] = self.originals[y2[better].argmax(1)]
+        better = confidence(y2) >= confidence(y1[index])
+        pred[index[better]] = self.originals.to(x.device)[y2[better].argmax(1)]
         exit_[index[better]] = EXITS.index("extension")
         return len(index)
 

@@ -39,12 +39,14 @@ def main_logits(net: MEANet, x, batch_size: int = 512, device: torch.device | st
 
 
 def train_main_block(model: UnitModel, main: UnitModel, k: int, train, val, test, opts: TrainOptions,
-                     device: torch.device, checkpoint: Path | None = None) -> BudgetedRun:
+                     device: torch.device, checkpoint: Path | None = None, signature: str = "") -> BudgetedRun:
     """Model A at the cloud: the CNN and the main block's new exit trained jointly on every class (the sum of both
     exits' losses), so the main block learns from the whole dataset and the CNN's tail, which becomes the
-    extension block and the cloud's half in features mode, still fits the main block's features."""
+    extension block and the cloud's half in features mode, still fits the main block's features. signature: the
+    weights it starts from and the split (fit's), so that a checkpoint of another start is not resumed."""
     return train_under_budget(TwoExits(model, main, k), train, val, test, model.num_classes, opts, MemoryOptions(),
-                              device, checkpoint=checkpoint, desc="meanet main block (A)", loss_fn=exits_loss)
+                              device, checkpoint=checkpoint, desc="meanet main block (A)", loss_fn=exits_loss,
+                              signature=signature)
 
 
 def train_edge(net: MEANet, hard: HardClasses, train, val, test, opts, device: torch.device,
