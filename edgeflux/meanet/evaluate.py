@@ -154,6 +154,5 @@ def upload_size(net: MEANet, sample: Tensor, send: str) -> int:
     """Bytes one instance takes on the link: an 8-bit image (as a camera gives it), or F in float32."""
     if send == "images":
         return int(sample[0].numel())
-    with torch.no_grad():
-        net.eval()
+    with eval_mode(net), torch.no_grad():
         return int(net.features(sample[:1]).numel() * 4)

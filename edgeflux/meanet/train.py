@@ -56,13 +56,9 @@ def train_edge(net: MEANet, hard: HardClasses, train, val, test, opts, device: t
     opts.budget with opts.bittrain. val and test are reduced to the hard classes the same way."""
     fix_main(net)
     train_h, val_h, test_h = (select_hard(*split, hard) for split in (train, val, test))
-    return train_under_budget(net, train_h, val_h, test_h, hard_count(hard), opts, opts, device,
+    return train_under_budget(net, train_h, val_h, test_h, len(hard.class_map), opts, opts, device,
                               checkpoint=checkpoint, desc="meanet edge", context=opts.bittrain.context,
                               signature=signature, track_test=track_test)
-
-
-def hard_count(hard: HardClasses) -> int:
-    return len(hard.class_map)
 
 
 class JointMEANet(nn.Module):
