@@ -160,6 +160,25 @@ class ReportParams(_Section):
     target_acc: float = Field(0.8, gt=0, le=1)
 
 
+CRON_FIELD = r"[\d*/,\-]+|[A-Za-z]{3}"   # numbers, ranges, steps, lists, or a month/day name
+
+
+class OrchestrationParams(_Section):
+    """Read by pipeline/deploy.py and the flows, not by a stage: changing it reruns nothing."""
+    retrain_cron: str = "0 3 * * *"        # when retrain_flow looks for new labelled data (5 cron fields)
+    timezone: str = "UTC"                  # the cron's time zone (an IANA name)
+    share_activation_cache: bool = False   # device flows push NeuroFlux's activation cache to the DVC remote
+
+    @field_validator("retrain_cron")
+    @classmethod
+    def _five_fields(cls, v: str) -> str:
+        fields = v.split()
+        if len(fields) != 5 or not all(re.fullmatch(CRON_FIELD, f) for f in fields):
+            raise ValueError("not a cron expression: give 5 fields, minute hour day month weekday, "
+                             "e.g. '0 3 * * *' (03:00 every day)")
+        return v
+
+
 class Params(_Section):
     data: DataParams = DataParams()
     pretrain: PretrainParams
@@ -168,6 +187,7 @@ class Params(_Section):
     finetune: FinetuneParams | None = None
     meanet: MEANetParams | None = None
     report: ReportParams = ReportParams()
+    orchestration: OrchestrationParams = OrchestrationParams()
 
 
 def _format_error(err: dict, where: str, raw: dict) -> str:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -230,10 +231,42 @@ def _parent_run(client: MlflowClient, experiment_id: str, pid: str) -> str:
         client.update_run(found[0].info.run_id, status="RUNNING")
         return found[0].info.run_id
     name = time.strftime("pipeline %Y-%m-%d %H:%M:%S")
-    tags = {PIPELINE_KEY_TAG: pid, "edgeflux.kind": "pipeline", "host": socket.gethostname()}
+    tags = {PIPELINE_KEY_TAG: pid, "edgeflux.kind": "pipeline", "host": socket.gethostname(), **_launcher_tags()}
     if commit := _git_commit():
         tags["mlflow.source.git.commit"] = commit
     return client.create_run(experiment_id, run_name=name, tags=tags).info.run_id
+
+
+LAUNCHER_TAGS = {"EDGEFLUX_FLOW": "edgeflux.flow", "EDGEFLUX_DEVICE_ID": "edgeflux.device",
+                 "EDGEFLUX_FLEET_ID": "edgeflux.fleet_id"}
+
+
+def _launcher_tags() -> dict[str, str]:
+    """Which flow, device and fleet run started the pipeline (set by pipeline.flows), to filter runs by."""
+    return {tag: os.environ[var] for var, tag in LAUNCHER_TAGS.items() if os.environ.get(var)}
+
+
+HEADLINE = re.compile(r"(^|[._])(test_acc|val_acc|acc|peak_\w*bytes|train_time_s)$")
+
+
+def fleet_metrics(fleet_id: str, uri: str | None = None) -> dict[str, dict[str, float]]:
+    """{device: {stage.metric: value}}: the headline metrics (accuracy, measured peak, training time) of
+    every stage run under the pipeline runs that one fleet run started."""
+    client = MlflowClient(uri or tracking_uri())
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    if experiment is None:
+        return {}
+    parents = client.search_runs([experiment.experiment_id], filter_string=f"tags.`edgeflux.fleet_id` = '{fleet_id}'")
+    table: dict[str, dict[str, float]] = {}
+    for parent in parents:
+        device = parent.data.tags.get("edgeflux.device", parent.info.run_id)
+        children = client.search_runs([experiment.experiment_id],
+                                      filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+        for child in children:
+            stage = child.data.tags.get("edgeflux.stage", child.info.run_name)
+            table.setdefault(device, {}).update({f"{stage}.{k}": v for k, v in child.data.metrics.items()
+                                                  if HEADLINE.search(k)})
+    return table
 
 
 def _process_tags() -> dict[str, str]:

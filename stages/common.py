@@ -23,6 +23,7 @@ from rich.logging import RichHandler
 from edgeflux.artifacts import CorruptFileError, WriteError
 from edgeflux.config import Params, ParamsError, load_params
 from edgeflux.data import DataParamsError, DatasetNotFoundError, PreparedDataError
+from edgeflux.data.incoming import IncomingDataError
 from edgeflux.memory import BudgetTooSmallError
 from edgeflux.elastic import ElasticBudgetError
 from edgeflux.mobiletl import BlocksError
@@ -41,7 +42,7 @@ class StageRunningError(Exception):
 USER_ERRORS = (ParamsError, DatasetNotFoundError, DataParamsError, PreparedDataError, BudgetTooSmallError,
                PoorFitError, CorruptFileError, FileNotFoundError, StageRunningError, DeviceUnavailableError,
                TrackingStoreError, WriteError, BlocksError, ElasticBudgetError, MEANetConfigError,
-               CloudServerError)
+               CloudServerError, IncomingDataError)
 # What the machine refuses (a full disk, a read-only directory): one line naming the file, no traceback.
 MACHINE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 

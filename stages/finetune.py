@@ -3,7 +3,8 @@
 dvc.yaml runs it once per entry of finetune.methods (stages finetune@mobiletl, finetune@ft_all, ...;
 `dvc repro finetune` runs them all). The backbone is models/pretrained/<finetune.model>.pt from the
 pretrain stage; the batch is the largest whose measured training step fits finetune.budget, with
-finetune.bittrain applied to what the method still saves. Methods: edgeflux/finetune.py.
+finetune.bittrain applied to what the method still saves. Methods: edgeflux/finetune.py. It trains on the
+target_train split (its first finetune.max_train_samples) plus every new labelled sample in data/incoming/.
 
 Writes models/finetune/<method>.pt (the float model with the fine-tuned weights; it loads into the plain
 architecture), metrics/finetune/<method>.json (test accuracy, measured peak and saved bytes, trainable
@@ -19,6 +20,7 @@ from pathlib import Path
 from edgeflux.artifacts import file_digest, load_model, model_fix, save_model, write_json
 from edgeflux.config import ParamsError
 from edgeflux.data import PreparedDataError, load_prepared, tensors
+from edgeflux.data.incoming import add_incoming, load_incoming
 from edgeflux.elastic.plot import plot_selections
 from edgeflux.finetune import METHOD_NAMES, finetune
 from edgeflux.tracking import stage_run
@@ -26,6 +28,7 @@ from edgeflux.train import resolve_device
 from stages.common import peak_rss_bytes, run_stage, stage_parser, write_history_csv
 
 PRETRAINED = Path("models/pretrained")
+INCOMING = Path("data/incoming")   # new labelled samples (class folders tracked by DVC): trained on with the target split
 CHECKPOINTS = Path(".edgeflux/checkpoints/finetune")   # <method>.pt: an interrupted run resumes from its last epoch
 
 
@@ -48,14 +51,16 @@ def main(args, params) -> None:
         raise PreparedDataError(f"{source} has {model.num_classes} classes and data/prepared {len(data.classes)}: "
                                 f"{model_fix(source, 'pretrain')}")
     device = resolve_device(p.device)
-    train = tensors(data, "target_train", limit=p.max_train_samples)
+    incoming = load_incoming(INCOMING, data)
+    train = add_incoming(tensors(data, "target_train", limit=p.max_train_samples), incoming)
     outputs = {kind: Path(f"{kind}/finetune/{method}.{ext}")
                for kind, ext in (("metrics", "json"), ("plots", "csv"), ("memory", "json"), ("models", "pt"))}
     outputs["tensors"] = Path(f"plots/finetune/{method}_tensors.png")
     with stage_run(f"finetune@{method}", {**p.model_dump(), "method": method}) as run:
         result = finetune(model, method, p, train, tensors(data, "target_val"), tensors(data, "target_test"), device,
                           checkpoint=CHECKPOINTS / f"{method}.pt", start=file_digest(source))
-        metrics = {"model": p.model, "device": str(device), **result.metrics(), "peak_rss_bytes": peak_rss_bytes()}
+        metrics = {"model": p.model, "device": str(device), **result.metrics(), "n_incoming": len(incoming),
+                   "peak_rss_bytes": peak_rss_bytes()}
         write_json(outputs["metrics"], metrics)
         write_json(outputs["memory"], {**result.run.memory_report(), "method_info": result.info,
                                        **result.run.train.extra})

@@ -1,11 +1,11 @@
 """Stage meanet_edge (MEANet, Algorithm 1 steps 5-8: the device's part): train the adaptive and extension blocks.
 
 Starts from models/meanet/main.pt and models/meanet/hard_classes.json (meanet_cloud). Only the instances of
-hard classes of the device's data (target split) train, with their labels mapped to 0..n_hard-1; the main
-block is fixed (no gradients, eval mode: its BatchNorm statistics do not move) and the adaptive and
-extension blocks learn from the cross-entropy at the extension exit, at the largest batch whose measured
-step fits meanet.budget, with meanet.bittrain. The same batch is then measured under joint optimisation
-(every block trainable, losses at both exits; the paper's Fig. 6 comparison).
+hard classes of the device's data (target split, plus the new samples in data/incoming/) train, with their
+labels mapped to 0..n_hard-1; the main block is fixed (no gradients, eval mode: its BatchNorm statistics do
+not move) and the adaptive and extension blocks learn from the cross-entropy at the extension exit, at the
+largest batch whose measured step fits meanet.budget, with meanet.bittrain. The same batch is then measured
+under joint optimisation (every block trainable, losses at both exits; the paper's Fig. 6 comparison).
 
 Writes models/meanet/edge.pt, metrics/meanet_edge.json (hard-class accuracy, measured peaks of the edge's
 step and of joint optimisation, Table VI's fixed and trained parameters and multiply-adds),
@@ -18,6 +18,7 @@ from pathlib import Path
 from edgeflux.artifacts import file_digest, read_json, write_json
 from edgeflux.checkpoint import run_signature
 from edgeflux.data import load_prepared, tensors
+from edgeflux.data.incoming import add_incoming, load_incoming
 from edgeflux.meanet.hard import HardClasses
 from edgeflux.meanet.model import block_costs, load_meanet, save_meanet
 from edgeflux.meanet.train import joint_step_memory, train_edge
@@ -28,6 +29,7 @@ from stages.common import peak_rss_bytes, run_stage, stage_parser, write_history
 MAIN, HARD, EDGE = Path("models/meanet/main.pt"), Path("models/meanet/hard_classes.json"), Path("models/meanet/edge.pt")
 METRICS, PLOT, MEMORY = Path("metrics/meanet_edge.json"), Path("plots/meanet_edge.csv"), Path("memory/meanet_edge.json")
 CHECKPOINT = Path(".edgeflux/checkpoints/meanet_edge.pt")
+INCOMING = Path("data/incoming")   # new labelled samples (class folders tracked by DVC): trained on with the target split
 
 
 def load_hard() -> HardClasses:
@@ -39,7 +41,8 @@ def main(args, params) -> None:
     net, _ = load_meanet(MAIN, "meanet_cloud")
     hard = load_hard()
     data, device = load_prepared(Path("data/prepared")), resolve_device(p.device)
-    train = tensors(data, "target_train", limit=p.max_train_samples)
+    incoming = load_incoming(INCOMING, data)
+    train = add_incoming(tensors(data, "target_train", limit=p.max_train_samples), incoming)
     val, test = tensors(data, "target_val"), tensors(data, "target_test")
     with stage_run("meanet_edge", p.edge_options().model_dump()) as run:
         result = train_edge(net, hard, train, val, test, p.edge_options(), device, CHECKPOINT,
@@ -50,6 +53,7 @@ def main(args, params) -> None:
         metrics = {**result.metrics(), "hard_val_acc": result.train.history[-1]["val_acc"],
                    "hard_test_acc": result.test_acc, "joint_peak_mem_bytes": joint_peak,
                    "peak_vs_joint": edge_peak / joint_peak, "train_instances": int((hard.lookup()[train[1]] >= 0).sum()),
+                   "n_incoming": len(incoming),
                    **block_costs(net, test[0][:1]), "peak_rss_bytes": peak_rss_bytes()}
         write_json(METRICS, metrics)
         write_json(MEMORY, {**result.memory_report(), "joint_step_memory": joint.to_dict()})

@@ -16,7 +16,8 @@ from torch import nn
 
 from edgeflux.meanet.cloud import CloudClient, CloudUnavailable, parse_logits
 from edgeflux.tracking import save_model_dir
-from pipeline.cloud import CloudServerError, ModelServer, _group_alive, _port_in_use
+from pipeline.cloud import CloudServerError, ModelServer
+from pipeline.service import group_alive as _group_alive, port_in_use as _port_in_use
 
 
 def tiny_cnn() -> nn.Module:
@@ -147,7 +148,7 @@ def test_stop_kills_a_group_that_ignores_sigterm(tmp_path, caplog):
     group = server.process.pid
     time.sleep(0.2)   # the trap is set
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="pipeline.cloud"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.service"):
         server.stop(grace_s=0.3)
     assert time.monotonic() - started < 10, "stop() waited for the sleep instead of killing it"
     assert "ignored SIGTERM for 0.3 s: killing it" in caplog.text

@@ -57,6 +57,8 @@ def project(tmp_path_factory):
         params[section].update(values)
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     (root / ".gitignore").write_text("mlflow.db\nmlruns/\n.edgeflux/\n__pycache__/\n")
+    (root / "data/incoming").mkdir(parents=True)   # finetune and meanet_edge read it (empty inbox)
+    (root / "data/incoming/README.md").write_text("class folders of new labelled images\n")
     sh("git init -q && dvc init -q && dvc config core.analytics false && git add -A && git commit -qm init", root)
     return root
 

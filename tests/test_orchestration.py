@@ -1,0 +1,222 @@
+"""Cloud and device as one system, on loopback: a Prefect server, an MLflow server, a DVC remote directory,
+and process workers in pools `cloud` and `pi`, each in its own git clone of one origin, as on separate
+machines. Workers are always stopped before the servers, even when a test fails."""
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from pipeline.servers import MLflowServer, PrefectServer, PrefectWorker
+from pipeline.service import venv_env
+from tests.test_pipeline import QUICK
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+DEVICE_STAGES = ["train_bp", "profile", "partition", "train_blocks", "select_exit", "meanet_edge"]
+PI = "pi-01"
+
+
+def sh(cmd: str, cwd, env=None, check=True, timeout=900) -> subprocess.CompletedProcess:
+    out = subprocess.run(cmd, cwd=cwd, shell=True, env=env or venv_env(), capture_output=True, text=True,
+                         timeout=timeout)
+    if check and out.returncode != 0:
+        raise AssertionError(f"{cmd} failed ({out.returncode}):\n{out.stdout[-6000:]}\n{out.stderr[-6000:]}")
+    return out
+
+
+def make_origin(root: Path) -> Path:
+    """A bare git origin holding the project with CI-sized params, its DVC remote a local directory."""
+    work = root / "seed"
+    work.mkdir()
+    for item in ("edgeflux", "stages", "pipeline", "dvc.yaml", ".dvcignore"):
+        src = REPO / item
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, work / item,
+                                                            **({"ignore": shutil.ignore_patterns("__pycache__")}
+                                                               if src.is_dir() else {}))
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    for section, values in QUICK.items():
+        params[section].update(values)
+    params["neuroflux"]["epochs"] = 3      # several epochs per block: an interrupted block has a checkpoint
+    (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    (work / ".gitignore").write_text("mlflow.db\nmlruns/\n.edgeflux/\n.prefect/\n__pycache__/\n")
+    (work / "data/incoming").mkdir(parents=True)
+    shutil.copy(REPO / "data/incoming/README.md", work / "data/incoming")
+    sh(f"git init -q -b main && dvc init -q && dvc config core.analytics false "
+       f"&& dvc remote add -d store {root / 'remote'} && git add -A && git commit -qm init", work, env=git_env())
+    sh(f"git clone -q --bare {work} {root / 'origin.git'}", root)
+    return root / "origin.git"
+
+
+def git_env(**extra) -> dict:
+    return venv_env({"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                     "GIT_COMMITTER_EMAIL": "t@t", **extra})
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory):
+    root = tmp_path_factory.mktemp("system")
+    origin = make_origin(root)
+    clones = {}
+    for name in ("cloud", "pi"):
+        sh(f"git clone -q {origin} {root / name}", root)
+        clones[name] = root / name
+    with ExitStack() as stack:   # unwinds in reverse: workers stop first, then the servers
+        prefect = stack.enter_context(PrefectServer(root / "prefect", scheduler_loop_s=2))
+        mlflow = stack.enter_context(MLflowServer(root / "mlflow"))
+        env = git_env(PREFECT_API_URL=prefect.api_url, MLFLOW_TRACKING_URI=mlflow.url)
+        sh(f"{sys.executable} -m pipeline.deploy --params {clones['cloud'] / 'params.yaml'}", REPO, env=env)
+        workers = {"cloud": PrefectWorker("cloud", prefect.api_url, clones["cloud"], device_id="cloud-1",
+                                          tracking_uri=mlflow.url, poll_s=2, env_extra=git_env()),
+                   "pi": PrefectWorker("pi", prefect.api_url, clones["pi"], device_id=PI, work_queue=PI,
+                                       tracking_uri=mlflow.url, poll_s=2, env_extra=git_env())}
+        for w in workers.values():
+            stack.callback(w.stop)
+            w.start()
+        yield {"root": root, "origin": origin, "clones": clones, "prefect": prefect, "mlflow": mlflow,
+               "env": env, "workers": workers}
+
+
+def run_deployment(system, name: str, params: dict | None = None, watch: bool = True) -> subprocess.CompletedProcess:
+    args = f" --params '{json.dumps(params)}'" if params else ""
+    return sh(f"prefect deployment run {name}{args}" + (" --watch --watch-interval 2" if watch else ""),
+              system["root"], env=system["env"], check=False, timeout=1200)
+
+
+def md5_of(lock_entry: dict, path: str) -> str:
+    """The md5 dvc.lock records for one output of a stage."""
+    return next(o["md5"] for o in lock_entry["outs"] if o["path"] == path)
+
+
+def in_remote(system, md5: str) -> bool:
+    return (system["root"] / "remote/files/md5" / md5[:2] / md5[2:]).is_file()
+
+
+def mlflow_runs(system, filter_string: str):
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(system["mlflow"].url)
+    experiment = client.get_experiment_by_name("edgeflux")
+    return client.search_runs([experiment.experiment_id], filter_string=filter_string) if experiment else []
+
+
+def test_cloud_then_device_through_workers_and_remote(system):
+    """cloud_flow trains and pushes; device_flow on the pi worker pulls the cloud's models, trains, pushes."""
+    out = run_deployment(system, "cloud_flow/cloud")
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
+    main_lock = sh("git show main:dvc.lock", system["origin"]).stdout
+    assert {"prepare", "pretrain", "meanet_cloud"} <= set(yaml.safe_load(main_lock)["stages"])
+    assert in_remote(system, md5_of(yaml.safe_load(main_lock)["stages"]["pretrain"], "models/pretrained"))
+
+    out = run_deployment(system, "device_flow/pi", {"stages": DEVICE_STAGES})
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
+    pi = system["clones"]["pi"]
+    assert (pi / "models/pretrained").is_dir() and (pi / "models/meanet/main.pt").is_file()   # pulled
+    device_lock = yaml.safe_load(sh(f"git show devices/{PI}:dvc.lock", system["origin"]).stdout)["stages"]
+    assert set(DEVICE_STAGES) <= set(device_lock) and device_lock["pretrain"] == yaml.safe_load(main_lock)["stages"]["pretrain"]
+    assert in_remote(system, md5_of(device_lock["train_bp"], "models/train_bp.pt"))   # pushed
+    assert in_remote(system, md5_of(device_lock["train_blocks"], "models/neuroflux.pt"))
+    assert not in_remote(system, md5_of(device_lock["train_blocks"], "cache/neuroflux")), \
+        "the activation cache left the device without share_activation_cache"
+
+    parents = mlflow_runs(system, f"tags.`edgeflux.device` = '{PI}' and tags.`edgeflux.flow` = 'device_flow'")
+    assert len(parents) == 1
+    stages = {r.data.tags["edgeflux.stage"] for r in
+              mlflow_runs(system, f"tags.`mlflow.parentRunId` = '{parents[0].info.run_id}'")}
+    assert stages == set(DEVICE_STAGES)
+
+
+def test_cron_deployment_creates_scheduled_runs(system):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    deadline = time.monotonic() + 60
+    with temporary_settings(updates={PREFECT_API_URL: system["prefect"].api_url}):
+        while True:
+            with get_client(sync_client=True) as client:
+                runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["retrain_flow"])))
+            runs = [r for r in runs if r.state_name == "Scheduled"]
+            if runs or time.monotonic() > deadline:
+                break
+            time.sleep(2)
+    assert runs, "the scheduler created no run for retrain_flow within 60 s"
+    assert all(r.expected_start_time.hour == 3 and r.expected_start_time.minute == 0 for r in runs)
+
+
+def test_fleet_run_fans_out_to_device_queues_and_collects_metrics(system):
+    from edgeflux.tracking import fleet_metrics
+
+    out = run_deployment(system, "fleet_flow/pi", {"stages": ["train_bp"], "params": {"train_bp.seed": 5}})
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
+    fleet_id = re.search(r"UUID: ([0-9a-f-]{36})", out.stdout).group(1)
+    table = fleet_metrics(fleet_id, system["mlflow"].url)
+    assert list(table) == [PI] and 0 < table[PI]["train_bp.test_acc"] <= 1
+
+
+def test_new_labelled_data_retrains_only_the_fine_tuning_stages(system):
+    """Images dropped into data/incoming: retrain_flow versions them and retrains the stages that read them."""
+    from PIL import Image
+
+    pi = system["clones"]["pi"]
+    for i in range(3):
+        (pi / "data/incoming/3").mkdir(parents=True, exist_ok=True)
+        Image.fromarray((np.arange(28 * 28) % 255).astype(np.uint8).reshape(28, 28)).save(pi / f"data/incoming/3/{i}.png")
+    out = run_deployment(system, "retrain_flow/pi", {"pull": False})
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
+    parents = mlflow_runs(system, f"tags.`edgeflux.device` = '{PI}' and tags.`edgeflux.flow` = 'retrain_flow'")
+    children = mlflow_runs(system, f"tags.`mlflow.parentRunId` = '{parents[0].info.run_id}'")
+    stages = {r.data.tags["edgeflux.stage"] for r in children}
+    assert {"finetune", "meanet_edge"} <= {s.split("@")[0].split(":")[0] for s in stages}
+    assert not stages & {"prepare", "pretrain", "train_bp", "train_blocks"}
+    assert all(r.data.metrics["n_incoming"] == 3 for r in children if "n_incoming" in r.data.metrics)
+    assert "data/incoming/3.dvc" in sh(f"git show --stat devices/{PI}", system["origin"]).stdout
+
+
+def crash(worker, clone: Path) -> None:
+    """SIGKILL the worker and every process working in its clone (the flow run has a session of its own,
+    and dvc and the stage are its children), as a power cut would."""
+    import psutil
+    victims = []
+    for proc in psutil.process_iter():
+        try:
+            if Path(proc.cwd()).resolve() == clone.resolve():
+                victims.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    worker.kill()
+    for proc in victims:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(victims, timeout=10)
+
+
+def test_killed_worker_mid_stage_then_rerun_resumes_from_cached_blocks(system):
+    """SIGKILL the pi worker (and with it the flow run, dvc and the stage) while train_blocks is in its
+    second block; a new worker picks the next run up, which reuses block 0 and resumes block 1's epochs."""
+    pi, worker = system["clones"]["pi"], system["workers"]["pi"]
+    params = {"neuroflux.epochs": 4, "neuroflux.seed": 1}   # a new run of the stage
+    run_deployment(system, "device_flow/pi", {"stages": ["train_blocks"], "pull": False, "push": False,
+                                             "params": params}, watch=False)
+    checkpoint = pi / ".edgeflux/checkpoints/neuroflux/block1.pt"
+    deadline = time.monotonic() + 600
+    while not checkpoint.exists():
+        assert time.monotonic() < deadline, "block 1 never wrote a checkpoint"
+        time.sleep(0.2)
+    crash(worker, pi)
+    worker.start()   # a restarted worker: the next run is its
+    out = run_deployment(system, "device_flow/pi", {"stages": ["train_blocks"], "pull": False, "push": False,
+                                                   "params": params})
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
+    blocks = json.loads((pi / "metrics/train_blocks.json").read_text())["block_results"]
+    assert blocks[0]["skipped"], "block 0 was trained again instead of reused from the activation cache"
+    assert blocks[1]["resumed_from_epoch"] >= 1 or blocks[1]["skipped"]
