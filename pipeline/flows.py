@@ -124,7 +124,9 @@ def _git_identity() -> dict[str, str]:
 
 def _lock() -> dict:
     path = Path("dvc.lock")
-    return yaml.safe_load(path.read_text()) or {} if path.exists() else {}
+    if not path.exists():
+        return {}
+    return yaml.safe_load(path.read_text()) or {}
 
 
 def _group(entry: str) -> str:
