@@ -238,11 +238,11 @@ def _parent_run(client: MlflowClient, experiment_id: str, pid: str) -> str:
 
 
 LAUNCHER_TAGS = {"EDGEFLUX_FLOW": "edgeflux.flow", "EDGEFLUX_DEVICE_ID": "edgeflux.device",
-                 "EDGEFLUX_FLEET_ID": "edgeflux.fleet_id"}
+                 "EDGEFLUX_FLEET_ID": "edgeflux.fleet_id", "EDGEFLUX_PRESET": "edgeflux.preset"}
 
 
 def _launcher_tags() -> dict[str, str]:
-    """Which flow, device and fleet run started the pipeline (set by pipeline.flows), to filter runs by."""
+    """Which flow, device, fleet run and preset started the pipeline (set by pipeline.flows), to filter runs by."""
     return {tag: os.environ[var] for var, tag in LAUNCHER_TAGS.items() if os.environ.get(var)}
 
 

@@ -10,6 +10,10 @@ a worker polling its own work queue named after its device id. Deployments:
     device_flow/<pool>      jetson, pi    pull the cloud's models, the on-device stages, push the results
     retrain_flow/<pool>     jetson, pi    on orchestration.retrain_cron (params.yaml): retrain on new data
 
+Each device pool's deployments run under its preset (presets/<name>.yaml: budgets, batch limits, threads,
+the training device): `pi` -> pi4, `jetson` -> jetson-nano; `--preset jetson=jetson-orin` changes one, and
+a run's own parameters (`--param preset=laptop`, `params={...}`) change it for that run.
+
 Where the code comes from: nothing is uploaded. A worker runs in a git clone of this repository (with its
 venv and `dvc pull`ed data) and says where with EDGEFLUX_HOME; each deployment's pull step enters that
 directory on the worker at run time (`{{ $EDGEFLUX_HOME }}` is resolved there, not here), so one deployment
@@ -30,13 +34,14 @@ from prefect.utilities.callables import parameter_schema
 from prefect.workers.process import ProcessWorker
 
 from edgeflux.config import OrchestrationParams, load_params
+from edgeflux.presets import PresetError, load_preset
 
 log = logging.getLogger(__name__)
 
 POOLS = {"cloud": "the cloud host: main-block training and fleet orchestration",
          "jetson": "NVIDIA Jetson devices, one worker and work queue per device",
          "pi": "Raspberry Pi devices, one worker and work queue per device"}
-DEVICE_POOLS = ("jetson", "pi")
+DEVICE_PRESETS = {"jetson": "jetson-nano", "pi": "pi4"}   # each device pool's default preset
 PULL_STEPS = [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ $EDGEFLUX_HOME }}"}}]
 
 
@@ -54,11 +59,13 @@ class Deployment:
         return f"{self.flow.name}/{self.name}"
 
 
-def deployments(retrain_cron: str, timezone: str = "UTC", share_activation_cache: bool = False) -> list[Deployment]:
+def deployments(retrain_cron: str, timezone: str = "UTC", share_activation_cache: bool = False,
+                presets: dict[str, str] | None = None) -> list[Deployment]:
     out = [Deployment(flows.cloud_flow, "cloud", "cloud")]
-    for pool in DEVICE_POOLS:
-        out += [Deployment(flows.device_flow, pool, pool, {"share_activation_cache": share_activation_cache}),
-                Deployment(flows.retrain_flow, pool, pool, cron=retrain_cron, timezone=timezone),
+    for pool, preset in (presets or DEVICE_PRESETS).items():
+        out += [Deployment(flows.device_flow, pool, pool, {"preset": preset,
+                                                           "share_activation_cache": share_activation_cache}),
+                Deployment(flows.retrain_flow, pool, pool, {"preset": preset}, cron=retrain_cron, timezone=timezone),
                 Deployment(flows.fleet_flow, pool, "cloud", {"pool": pool})]
     return out
 
@@ -94,13 +101,33 @@ def main() -> None:
                         help="params file whose orchestration section sets the retraining schedule (default: %(default)s)")
     parser.add_argument("--cron", default=None,
                         help="override orchestration.retrain_cron, e.g. '*/5 * * * *' (every 5 minutes)")
+    parser.add_argument("--preset", action="append", default=[], metavar="POOL=PRESET",
+                        help="a device pool's default preset (presets/<PRESET>.yaml), e.g. jetson=jetson-orin; "
+                             "'none' runs params.yaml as it is; repeatable (defaults: "
+                             + ", ".join(f"{k}={v}" for k, v in DEVICE_PRESETS.items()) + ")")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     o = load_params(args.params).orchestration
     if args.cron:
         o = OrchestrationParams(**{**o.model_dump(), "retrain_cron": args.cron})
-    for name in apply(deployments(o.retrain_cron, o.timezone, o.share_activation_cache)):
+    presets = pool_presets(args.preset, parser)
+    for name in apply(deployments(o.retrain_cron, o.timezone, o.share_activation_cache, presets)):
         print(name)
+
+
+def pool_presets(items: list[str], parser: argparse.ArgumentParser) -> dict[str, str | None]:
+    """DEVICE_PRESETS with `pool=preset` items applied; each preset is loaded, so a typo stops here."""
+    presets = dict(DEVICE_PRESETS)
+    for item in items:
+        pool, _, name = item.partition("=")
+        if pool not in DEVICE_PRESETS or not name:
+            parser.error(f"--preset {item!r}: give POOL=PRESET with POOL one of {', '.join(DEVICE_PRESETS)}")
+        presets[pool] = None if name == "none" else name
+    try:
+        [load_preset(name) for name in presets.values() if name]
+    except PresetError as exc:
+        parser.error(str(exc))
+    return presets
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ MLflow parent run (EDGEFLUX_PIPELINE_ID = the flow run id), tagged with the flow
     retrain_flow    new labelled samples in data/incoming -> re-run the fine-tuning stages on them, push
     fleet_flow      one device_flow run per device of a pool, their headline metrics side by side
 
-What travels where (docs/orchestration.md): code, dvc.lock and the small uncached outputs (metrics,
-memory reports, plots) through git; models and prepared data through the DVC remote; NeuroFlux's
+What travels where (pipeline/sync.py, docs/orchestration.md): code, dvc.lock and the small uncached
+outputs (metrics, memory reports, plots) through git; models and prepared data through the DVC remote; NeuroFlux's
 activation cache stays on the device unless `share_activation_cache`; runs to the MLflow server.
 
     python -m pipeline.flows                     # the whole pipeline, in-process
@@ -25,13 +25,16 @@ import argparse
 import json
 import os
 import socket
-import subprocess
+import sys
 from graphlib import TopologicalSorter
 from pathlib import Path
 
 import yaml
 
+from edgeflux.presets import Preset, PresetError, load_preset, set_params
 from pipeline.settings import offline_env
+from pipeline.sync import (command, dvc_pull, dvc_push, git_publish, git_pull, split_by_store, stage_group,
+                           stage_outputs)
 
 os.environ.update(offline_env())   # before prefect reads its settings: no telemetry, no heartbeat traceback
 from prefect import flow, get_run_logger, task  # noqa: E402
@@ -97,58 +100,6 @@ def device_stages(graph: dict[str, set[str]]) -> list[str]:
     return [s for s in stages_for(None, graph) if s not in CLOUD_STAGES]
 
 
-# --- commands ----------------------------------------------------------------------------------------
-
-class CommandError(RuntimeError):
-    """A git or dvc command failed; the message ends with its output's last lines."""
-
-
-def command(args: list[str], env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(args, env=env, capture_output=True, text=True)
-    if check and proc.returncode != 0:
-        tail = (proc.stderr.strip() or proc.stdout.strip())[-3000:]
-        raise CommandError(f"`{' '.join(args)}` failed ({proc.returncode}):\n{tail}")
-    return proc
-
-
-def _git_identity() -> dict[str, str]:
-    """A commit author for machines without one configured (a worker's service account)."""
-    if command(["git", "config", "user.email"], check=False).stdout.strip():
-        return {}
-    who = f"edgeflux@{socket.gethostname()}"
-    return {"GIT_AUTHOR_NAME": "edgeflux", "GIT_AUTHOR_EMAIL": who,
-            "GIT_COMMITTER_NAME": "edgeflux", "GIT_COMMITTER_EMAIL": who}
-
-
-# --- what a stage owns ---------------------------------------------------------------------------------
-
-def _lock() -> dict:
-    path = Path("dvc.lock")
-    if not path.exists():
-        return {}
-    return yaml.safe_load(path.read_text()) or {}
-
-
-def _group(entry: str) -> str:
-    """dvc.lock names a foreach item `finetune@ft_all`; dvc.yaml has the group `finetune`."""
-    return entry.split("@", 1)[0]
-
-
-def stage_outputs(stages, lock: dict | None = None) -> list[str]:
-    """Every output path of these stages as dvc.lock records them (foreach items resolved)."""
-    lock = _lock() if lock is None else lock
-    return [out["path"] for name, entry in lock.get("stages", {}).items() if _group(name) in set(stages)
-            for out in entry.get("outs", [])]
-
-
-def split_by_store(paths: list[str]) -> tuple[list[str], list[str]]:
-    """(in DVC's cache: git ignores them, files tracked by git: the uncached metrics, reports, plots)."""
-    if not paths:
-        return [], []
-    ignored = set(command(["git", "check-ignore", *paths], check=False).stdout.split())
-    return [p for p in paths if p in ignored], [p for p in paths if p not in ignored]
-
-
 # --- tasks ---------------------------------------------------------------------------------------------
 
 @task(retries=1, retry_delay_seconds=5, task_run_name="dvc repro {stage}")
@@ -165,96 +116,6 @@ def run_stages(stages: list[str], env: dict[str, str]) -> list[str]:
     return stages
 
 
-def _transfer_status(targets: list[str]) -> dict[str, str]:
-    """`dvc status --cloud` per file: new (here, not in the remote), deleted (in the remote, not here), ..."""
-    out = command(["dvc", "status", "--cloud", "--json", *targets]).stdout
-    return json.loads(out or "{}")
-
-
-def _size(paths) -> int:
-    return sum(Path(p).stat().st_size for p in paths if Path(p).is_file())
-
-
-@task(retries=2, retry_delay_seconds=10, task_run_name="dvc push")
-def dvc_push(targets: list[str]) -> int:
-    """Upload these outputs' missing objects; returns the bytes sent."""
-    if not targets:
-        return 0
-    new = [p for p, state in _transfer_status(targets).items() if state == "new"]
-    command(["dvc", "push", *targets])
-    sent = _size(new)
-    get_run_logger().info("dvc push: %d files, %.1f MB (%s)", len(new), sent / 1e6, ", ".join(targets))
-    return sent
-
-
-@task(retries=2, retry_delay_seconds=10, task_run_name="dvc pull")
-def dvc_pull(targets: list[str]) -> int:
-    """Fetch and check out these stages' or files' outputs; returns the bytes received."""
-    if not targets:
-        return 0
-    missing = [p for p, state in _transfer_status(targets).items() if state in ("deleted", "missing")]
-    command(["dvc", "pull", *targets])
-    got = _size(missing)
-    get_run_logger().info("dvc pull: %d files, %.1f MB (%s)", len(missing), got / 1e6, ", ".join(targets))
-    return got
-
-
-@task(retries=2, retry_delay_seconds=10, task_run_name="git pull {branch}")
-def git_pull(branch: str, own: list[str]) -> str:
-    """Pull the code and the cloud's dvc.lock, keeping what this clone's own stages (``own``) recorded.
-
-    dvc.lock is one file both sides write: upstream's entries for the other stages are taken, this clone's
-    entries for its own stages kept, as are their uncached outputs (metrics, reports) and any params
-    overrides, which are re-applied by the flow after the pull."""
-    lock = _lock()
-    keep_files = split_by_store(stage_outputs(own, lock))[1]
-    kept = {p: Path(p).read_bytes() for p in keep_files if Path(p).is_file()}
-    modified = command(["git", "diff", "--name-only", "HEAD"]).stdout.split()
-    discard = [p for p in modified if p in {"dvc.lock", "params.yaml", *kept}]
-    if discard:
-        command(["git", "checkout", "HEAD", "--", *discard])
-    command(["git", "pull", "--ff-only", "origin", branch])
-    for path, data in kept.items():
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_bytes(data)
-    merged = _lock() or {"schema": "2.0", "stages": {}}
-    merged.setdefault("stages", {}).update({n: e for n, e in lock.get("stages", {}).items() if _group(n) in own})
-    Path("dvc.lock").write_text(yaml.safe_dump(merged, sort_keys=False))
-    head = command(["git", "rev-parse", "--short", "HEAD"]).stdout.strip()
-    get_run_logger().info("git pull: at %s of origin/%s; kept this clone's lock entries for %s", head, branch,
-                          ", ".join(own))
-    return head
-
-
-@task(retries=2, retry_delay_seconds=10, task_run_name="git push {ref}")
-def git_publish(stages: list[str], ref: str, message: str, extra: list[str] = ()) -> str | None:
-    """Commit dvc.lock, params.yaml and the stages' git-tracked outputs and push them to origin's ``ref``.
-
-    ``ref`` "HEAD:main" moves the branch this clone is on (the cloud); "devices/<id>" writes a commit on top
-    of HEAD without moving it (a device: its results sit beside main, never merged into it by a pull)."""
-    paths = ["dvc.lock", "params.yaml", *split_by_store(stage_outputs(stages))[1], *extra]
-    paths = [p for p in paths if Path(p).exists()]
-    env = {**os.environ, **_git_identity()}
-    if ref.startswith("HEAD:"):
-        command(["git", "add", "--", *paths])
-        if command(["git", "diff", "--cached", "--quiet"], check=False).returncode == 0:
-            get_run_logger().info("git: nothing changed, nothing to push")
-            return None
-        command(["git", "commit", "-q", "-m", message], env=env)
-        commit = command(["git", "rev-parse", "HEAD"]).stdout.strip()
-        command(["git", "push", "-q", "origin", ref])
-    else:
-        index = Path(command(["git", "rev-parse", "--git-dir"]).stdout.strip()) / "edgeflux-publish-index"
-        side = {**env, "GIT_INDEX_FILE": str(index)}
-        command(["git", "read-tree", "HEAD"], env=side)
-        command(["git", "add", "--", *paths], env=side)
-        tree = command(["git", "write-tree"], env=side).stdout.strip()
-        commit = command(["git", "commit-tree", tree, "-p", "HEAD", "-m", message], env=side).stdout.strip()
-        command(["git", "push", "-q", "--force", "origin", f"{commit}:refs/heads/{ref}"])
-    get_run_logger().info("git push: %s -> origin %s", commit[:10], ref)
-    return commit
-
-
 # --- flows ---------------------------------------------------------------------------------------------
 
 def flow_env(flow_name: str, **tags: str) -> dict[str, str]:
@@ -267,21 +128,25 @@ def device_id() -> str:
     return os.environ.get("EDGEFLUX_DEVICE_ID") or socket.gethostname()
 
 
-def apply_params(overrides: dict | None) -> None:
-    """Dotted keys (`train_bp.epochs`) or nested sections merged into params.yaml, as `dvc exp run -S` would."""
-    if not overrides:
-        return
-    params = yaml.safe_load(Path("params.yaml").read_text())
-    for key, value in overrides.items():
-        *sections, last = key.split(".")
-        node = params
-        for s in sections:
-            node = node.setdefault(s, {})
-        if isinstance(value, dict) and isinstance(node.get(last), dict):
-            node[last] = {**node[last], **value}
-        else:
-            node[last] = value
-    Path("params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+@task(task_run_name="params: {names}")
+def apply_params(names: str, overrides: dict, env: dict[str, str]) -> None:
+    """The preset's and the run's overrides into params.yaml (comments kept), then checked as the stages will
+    read it, in a child process (validation imports torch; this long-lived flow process should not)."""
+    set_params(overrides)
+    check = command([sys.executable, "-m", "edgeflux.presets", "check"], env=env, check=False)
+    if check.returncode != 0:
+        raise PresetError(check.stderr.strip() or check.stdout.strip())
+    get_run_logger().info("params.yaml: %s", ", ".join(f"{k}={v}" for k, v in overrides.items()))
+
+
+def configure(preset: Preset | None, params: dict | None, env: dict[str, str]) -> dict[str, str]:
+    """Apply the device's preset and the run's ``params`` (which win) to params.yaml; the stages' env."""
+    overrides = {**(preset.params if preset else {}), **(params or {})}
+    env = env | (preset.env() if preset else {})
+    if overrides:
+        names = " + ".join(n for n in (preset and f"preset {preset.name}", params and "run params") if n)
+        apply_params(names, overrides, env)
+    return env
 
 
 def _headline(stages: list[str]) -> dict[str, dict]:
@@ -312,19 +177,22 @@ def cloud_flow(stages: list[str] | None = None, push: bool = True, branch: str =
 
 
 @flow(name="device_flow", log_prints=True)
-def device_flow(stages: list[str] | None = None, params: dict | None = None, pull: bool = True,
-                push: bool = True, share_activation_cache: bool = False, branch: str = "main",
+def device_flow(preset: str | None = None, stages: list[str] | None = None, params: dict | None = None,
+                pull: bool = True, push: bool = True, share_activation_cache: bool = False, branch: str = "main",
                 fleet_id: str | None = None) -> dict:
-    """A device's part: the cloud's models in, the on-device stages under this device's params, results out."""
+    """A device's part: the cloud's models in, the on-device stages under the device's preset (presets/<name>.yaml)
+    and the run's params overrides, results out."""
     graph = stage_graph()
-    order = choose(stages or device_stages(graph), graph)
-    result = {"device": device_id(), "stages": order, "pulled_bytes": 0, "pushed_bytes": 0, "commit": None}
+    chosen = load_preset(preset) if preset else None   # a wrong name fails here, before anything moves
+    order = choose(stages or (chosen and chosen.stages) or device_stages(graph), graph)
+    result = {"device": device_id(), "preset": preset, "stages": order, "pulled_bytes": 0, "pushed_bytes": 0,
+              "commit": None}
     if pull:
         git_pull(branch, device_stages(graph))
         needed = [s for s in CLOUD_STAGES if s in {u for s in order for u in stages_for(s, graph)}]
         result["pulled_bytes"] = dvc_pull(needed + [p for p in incoming_files() if p.endswith(".dvc")])
-    apply_params(params)
-    run_stages(order, flow_env("device_flow", device_id=device_id(), fleet_id=fleet_id or ""))
+    env = configure(chosen, params, flow_env("device_flow", device_id=device_id(), fleet_id=fleet_id or ""))
+    run_stages(order, env)
     if push:
         cached = split_by_store(stage_outputs(order))[0]
         result["pushed_bytes"] = dvc_push([p for p in cached if share_activation_cache or p != ACTIVATION_CACHE])
@@ -356,25 +224,29 @@ def track_new_data() -> list[str]:
 def stale(stages: list[str]) -> list[str]:
     """Those of ``stages`` that `dvc status` reports changed (deps, params, outs or code)."""
     report = json.loads(command(["dvc", "status", "--json", *stages]).stdout or "{}")
-    changed = {_group(name) for name in report}
+    changed = {stage_group(name) for name in report}
     return [s for s in stages if s in changed]
 
 
 @flow(name="retrain_flow", log_prints=True)
-def retrain_flow(pull: bool = True, push: bool = True, branch: str = "main") -> dict:
+def retrain_flow(preset: str | None = None, params: dict | None = None, pull: bool = True, push: bool = True,
+                 branch: str = "main") -> dict:
     """Scheduled: when data/incoming holds new labelled samples (dropped here, or pulled), re-run the
-    fine-tuning stages that read it (and what depends on them), then push; otherwise do nothing."""
+    fine-tuning stages that read it (and what depends on them) under the device's preset, then push;
+    otherwise do nothing."""
     graph = stage_graph()
+    chosen = load_preset(preset) if preset else None
     if pull:
         git_pull(branch, device_stages(graph))
         dvc_pull([p for p in incoming_files() if p.endswith(".dvc")])
+    env = configure(chosen, params, flow_env("retrain_flow", device_id=device_id()))
     new_data = track_new_data()
     todo = stale(downstream(RETRAIN_STAGES, graph))
     result = {"device": device_id(), "new_data": new_data, "retrained": todo, "pushed_bytes": 0, "commit": None}
     if not todo:
         get_run_logger().info("nothing to retrain: %s and the fine-tuning stages are up to date", INCOMING)
         return result
-    run_stages(todo, flow_env("retrain_flow", device_id=device_id()))
+    run_stages(todo, env)
     if push:
         incoming = [p for p in incoming_files() if p.endswith(".dvc")]
         result["pushed_bytes"] = dvc_push([*incoming, *split_by_store(stage_outputs(todo))[0]])
@@ -403,17 +275,18 @@ def fleet_devices(pool: str) -> list[str]:
 
 
 @flow(name="fleet_flow", log_prints=True)
-def fleet_flow(pool: str = "pi", devices: list[str] | None = None, params: dict | None = None,
-               stages: list[str] | None = None, timeout_s: float = 6 * 3600) -> dict:
-    """One device_flow run per device of ``pool`` (all of its device queues by default), at once; returns and
-    prints each device's headline metrics as its MLflow parent run recorded them."""
+def fleet_flow(pool: str = "pi", devices: list[str] | None = None, preset: str | None = None,
+               params: dict | None = None, stages: list[str] | None = None, timeout_s: float = 6 * 3600) -> dict:
+    """One device_flow run per device of ``pool`` (all of its device queues by default), at once, under the
+    pool's preset unless ``preset`` names another; returns and prints each device's headline metrics as its
+    MLflow parent run recorded them."""
     from edgeflux.tracking import fleet_metrics
     devices = devices or fleet_devices(pool)
     if not devices:
         raise ValueError(f"pool {pool!r} has no device queues: start workers with "
                          f"`prefect worker start --pool {pool} --work-queue <device id>`")
     fleet_id = str(flow_run.get_id())
-    parameters = {"params": params, "stages": stages, "fleet_id": fleet_id}
+    parameters = {"params": params, "stages": stages, "fleet_id": fleet_id} | ({"preset": preset} if preset else {})
     futures = [run_on_device.submit(f"device_flow/{pool}", d, parameters, timeout_s) for d in devices]
     [f.result() for f in futures]
     table = fleet_metrics(fleet_id)

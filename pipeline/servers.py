@@ -4,22 +4,31 @@
         with PrefectWorker("pi", prefect.api_url, clone, tracking_uri=mlflow.url, device_id="pi-01"):
             ...
 
-By hand, the same commands (README, "Cloud and devices"):
+From a shell, in the foreground until Ctrl-C (README, "Cloud and devices"):
 
-    prefect server start --host 0.0.0.0 --port 4200
-    mlflow server --backend-store-uri sqlite:///mlflow-server.db --artifacts-destination ./mlartifacts ...
-    EDGEFLUX_HOME=$PWD prefect worker start --pool pi --type process --name pi-01
+    python -m pipeline.servers cloud --host 0.0.0.0 --deploy   # the Prefect and MLflow servers, the deployments
+    python -m pipeline.servers worker --pool pi --device-id pi-01   # a device's worker, in this clone
+
+which run the tools' own commands (`prefect server start`, `mlflow server`, `prefect worker start --pool pi
+--type process`) with the environment each needs.
 
 A worker runs each flow run in a child process that inherits its environment: `EDGEFLUX_HOME` (the clone
 the deployments' pull step enters), `EDGEFLUX_DEVICE_ID` and `MLFLOW_TRACKING_URI` travel that way.
 """
 from __future__ import annotations
 
+import argparse
+import logging
+import os
 import subprocess
 import sys
+import time
+from contextlib import ExitStack
 from pathlib import Path
 
 from pipeline.service import Service, ServiceError, venv_env
+
+log = logging.getLogger(__name__)
 
 
 class PrefectServer(Service):
@@ -58,10 +67,10 @@ class MLflowServer(Service):
     timeout_fix = "raise the ready timeout"
 
     def __init__(self, store: str | Path, port: int | None = None, host: str = "127.0.0.1", workers: int = 1,
-                 **kwargs) -> None:
+                 allowed_hosts: str | None = None, **kwargs) -> None:
         self.store = Path(store).resolve()
         self.store.mkdir(parents=True, exist_ok=True)
-        self.workers = workers
+        self.workers, self.allowed_hosts = workers, allowed_hosts
         kwargs.setdefault("log_path", self.store / "server.log")
         super().__init__(port, host, **kwargs)
 
@@ -72,7 +81,8 @@ class MLflowServer(Service):
     def command(self) -> list[str]:
         return [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{self.store}/mlflow.db",
                 "--artifacts-destination", str(self.store / "artifacts"), "--host", self.host,
-                "--port", str(self.port), "--workers", str(self.workers)]
+                "--port", str(self.port), "--workers", str(self.workers),
+                *(["--allowed-hosts", self.allowed_hosts] if self.allowed_hosts else [])]
 
 
 class PrefectWorker(Service):
@@ -121,3 +131,99 @@ class PrefectWorker(Service):
         queue = ["--work-queue", "default", "--work-queue", self.work_queue] if self.work_queue else []
         return [sys.executable, "-m", "prefect", "worker", "start", "--pool", self.pool, "--type", "process",
                 "--name", self.device_id, "--with-healthcheck", *queue]
+
+
+# --- the command line -----------------------------------------------------------------------------------
+
+def follow(services: list[Service], echo: bool = True) -> int:
+    """Until Ctrl-C (exit code 0) or one of the services exits (1): with ``echo``, print their logs as they grow."""
+    offsets = {s.log_path: 0 for s in services}
+    try:
+        while True:
+            for path in offsets if echo else ():
+                with path.open("rb") as f:
+                    f.seek(offsets[path])
+                    chunk = f.read()
+                offsets[path] += len(chunk)
+                sys.stdout.write(chunk.decode(errors="replace"))
+                sys.stdout.flush()
+            dead = [s for s in services if s.process is not None and s.process.poll() is not None]
+            if dead:
+                log.error("the %s exited (%s): stopping; see %s", dead[0].name, dead[0].last_log_line(),
+                          dead[0].log_path)
+                return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        return 0
+
+
+def serve_cloud(args: argparse.Namespace) -> int:
+    home = Path(args.dir).resolve()
+    with ExitStack() as stack:
+        prefect = stack.enter_context(PrefectServer(home / "prefect", args.prefect_port, args.host))
+        mlflow = stack.enter_context(MLflowServer(home / "mlflow", args.mlflow_port, args.host,
+                                                  allowed_hosts=args.allowed_hosts))
+        where = args.public_host or ("127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host)
+        env = {"PREFECT_API_URL": f"http://{where}:{prefect.port}/api", "MLFLOW_TRACKING_URI": f"http://{where}:{mlflow.port}"}
+        if args.deploy:
+            subprocess.run([sys.executable, "-m", "pipeline.deploy"], env=venv_env(env), check=True)
+        print("servers up; on this host and on each device:\n    export " +
+              " ".join(f"{k}={v}" for k, v in env.items()) +
+              f"\nPrefect UI: http://{where}:{prefect.port}   MLflow UI: http://{where}:{mlflow.port}"
+              f"\nlogs: {prefect.log_path}, {mlflow.log_path}; Ctrl-C stops both", flush=True)
+        return follow([prefect, mlflow], echo=args.follow)
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    if not args.api_url:
+        raise SystemExit("error: no Prefect server: give --api-url or set PREFECT_API_URL "
+                         "(http://<cloud host>:4200/api)")
+    clone = Path(args.clone).resolve()
+    if not (clone / "dvc.yaml").is_file():
+        raise SystemExit(f"error: {clone} is not an edgeflux clone (no dvc.yaml): run from the clone or give --clone")
+    device_id = args.device_id or f"{args.pool}-{clone.name}"
+    queue = device_id if args.pool != "cloud" else None   # what fleet runs address a device by
+    worker = PrefectWorker(args.pool, args.api_url, clone, device_id=device_id, work_queue=queue,
+                           tracking_uri=args.tracking_uri, poll_s=args.poll_s,
+                           log_path=clone / ".edgeflux" / f"worker-{device_id}.log")
+    with worker:
+        print(f"{worker.name} in {clone}: runs of pool {args.pool!r}" +
+              (f" and of its own queue {queue!r}" if queue else "") + "; Ctrl-C stops it", flush=True)
+        return follow([worker])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.servers", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    cloud = sub.add_parser("cloud", help="the Prefect server and the MLflow tracking server, until Ctrl-C")
+    cloud.add_argument("--dir", default=".edgeflux/servers", help="their databases, artifacts and logs (default: %(default)s)")
+    cloud.add_argument("--host", default="127.0.0.1", help="interface to listen on; 0.0.0.0 for devices on the network (default: %(default)s)")
+    cloud.add_argument("--public-host", default=None, help="the name devices reach this host by, for the printed URLs")
+    cloud.add_argument("--prefect-port", type=int, default=4200, help="default: %(default)s")
+    cloud.add_argument("--mlflow-port", type=int, default=5000, help="default: %(default)s")
+    cloud.add_argument("--allowed-hosts", default=None,
+                       help="MLflow's allowed Host headers when devices use a DNS name, e.g. 'cloud.lan:5000' "
+                            "(default: localhost and private IPs)")
+    cloud.add_argument("--deploy", action="store_true", help="create the work pools and deployments (pipeline.deploy) once up")
+    cloud.add_argument("--follow", action="store_true", help="print the servers' logs here as they grow")
+    worker = sub.add_parser("worker", help="a Prefect process worker for one device (or the cloud), until Ctrl-C")
+    worker.add_argument("--pool", required=True, choices=["cloud", "jetson", "pi"], help="its work pool")
+    worker.add_argument("--device-id", default=None,
+                        help="this device's name in runs and in MLflow, and (jetson, pi) the work queue of its own that "
+                             "fleet runs address it by (default: <pool>-<clone dir>)")
+    worker.add_argument("--clone", default=".", help="the clone the flow runs work in (default: this directory)")
+    worker.add_argument("--api-url", default=os.environ.get("PREFECT_API_URL"), help="default: $PREFECT_API_URL")
+    worker.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI"),
+                        help="the MLflow server (default: $MLFLOW_TRACKING_URI)")
+    worker.add_argument("--poll-s", type=float, default=None, help="how often it asks for runs (Prefect's default: 10 s)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        return serve_cloud(args) if args.command == "cloud" else run_worker(args)
+    except ServiceError as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,6 +4,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -215,3 +218,41 @@ def test_meanet_quick_trains_the_edge_and_routes_through_the_real_cloud(tmp_path
     assert fracs == sorted(fracs, reverse=True)          # a higher threshold never sends more
     assert (tmp_path / "meanet.png").stat().st_size > 10_000
     assert (tmp_path / "meanet_resnet18_B_sweep.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow   # starts Prefect and MLflow servers and workers, as tests/test_orchestration.py does
+def test_pipeline_quick_times_dvc_prefect_workers_and_the_round_trip(tmp_path):
+    # --target train_bp: the fresh clone reproduces prepare and train_bp only (every stage's repro is
+    # test_pipeline's); the round trip is the whole cloud -> device path through real servers and workers
+    work = tmp_path / "work"
+    result = run_bench("pipeline", tmp_path, "--quick", "--target", "train_bp", "--workdir", str(work), timeout=1200)
+    figures = ("repro_s", "noop_s", "prefect_overhead_s", "pickup_s", "roundtrip_s")
+    assert all(result[k] > 0 for k in figures), {k: result[k] for k in figures}
+    assert result["noop_s"] < result["repro_s"] and result["pickup_s"] < result["roundtrip_s"]
+    # the per-stage times are the stages DVC ran, read from its output as it streamed
+    assert [s["stage"] for s in result["stages"]] == ["prepare", "train_bp"]
+    assert all(s["wall_s"] > 0 for s in result["stages"])
+    assert sum(s["wall_s"] for s in result["stages"]) <= result["repro_s"]
+    prefect = result["prefect"]
+    assert prefect["stages"] == ["prepare", "train_bp"] and prefect["n_stages"] == 2
+    assert result["prefect_overhead_s"] == (prefect["flow_wall_s"] - prefect["loop_wall_s"]) / 2
+    # pick-up as the Prefect API recorded it, for the round trip's two runs and the no-op ones
+    runs = result["flow_runs"]
+    assert [r["run"] for r in runs[:2]] == ["cloud_flow/cloud", "device_flow/pi"] and len(runs) == 4
+    assert all(r["state"] == "Completed" and 0 < r["pickup_s"] < r["pickup_s"] + r["duration_s"] for r in runs)
+    assert sorted(r["pickup_s"] for r in runs)[1] <= result["pickup_s"] <= sorted(r["pickup_s"] for r in runs)[2]
+    trip = result["roundtrip"]
+    assert trip["cloud_flow_s"] + trip["device_flow_s"] < result["roundtrip_s"]
+    assert 0 < trip["remote_bytes_after_cloud"] < trip["remote_bytes_after_device"]
+    assert result["workers"]["poll_s"] == 2
+    table = (tmp_path / "pipeline.md").read_text()
+    assert all(f"| {k} |" in table for k in figures) and "| prepare |" in table and "| train_bp |" in table
+    assert "| <= 900 s | yes |" in table and "--quick --target train_bp" in table
+    assert (tmp_path / "pipeline.png").stat().st_size > 10_000
+    # nothing the bench started is left: no server, worker or flow run working in or for its directory
+    left = []
+    for proc in psutil.process_iter(["pid", "cmdline", "cwd", "environ"]):
+        info = " ".join([*(proc.info["cmdline"] or []), proc.info["cwd"] or "", *(proc.info["environ"] or {}).values()])
+        if str(work) in info:
+            left.append((proc.info["pid"], proc.info["cmdline"]))
+    assert not left, left

@@ -3,86 +3,24 @@ and process workers in pools `cloud` and `pi`, each in its own git clone of one 
 machines. Workers are always stopped before the servers, even when a test fails."""
 import json
 import re
-import shutil
 import subprocess
-import sys
 import time
-from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
 
-from pipeline.servers import MLflowServer, PrefectServer, PrefectWorker
-from pipeline.service import venv_env
-from tests.test_pipeline import QUICK
+from pipeline.sandbox import CI_PRESET, CI_PRESET_FILE, DEVICE_STAGES, PI, sandbox, sh
 
-REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
-
-DEVICE_STAGES = ["train_bp", "profile", "partition", "train_blocks", "select_exit", "meanet_edge"]
-PI = "pi-01"
-
-
-def sh(cmd: str, cwd, env=None, check=True, timeout=900) -> subprocess.CompletedProcess:
-    out = subprocess.run(cmd, cwd=cwd, shell=True, env=env or venv_env(), capture_output=True, text=True,
-                         timeout=timeout)
-    if check and out.returncode != 0:
-        raise AssertionError(f"{cmd} failed ({out.returncode}):\n{out.stdout[-6000:]}\n{out.stderr[-6000:]}")
-    return out
-
-
-def make_origin(root: Path) -> Path:
-    """A bare git origin holding the project with CI-sized params, its DVC remote a local directory."""
-    work = root / "seed"
-    work.mkdir()
-    for item in ("edgeflux", "stages", "pipeline", "dvc.yaml", ".dvcignore"):
-        src = REPO / item
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, work / item,
-                                                            **({"ignore": shutil.ignore_patterns("__pycache__")}
-                                                               if src.is_dir() else {}))
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
-    for section, values in QUICK.items():
-        params[section].update(values)
-    params["neuroflux"]["epochs"] = 3      # several epochs per block: an interrupted block has a checkpoint
-    (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    (work / ".gitignore").write_text("mlflow.db\nmlruns/\n.edgeflux/\n.prefect/\n__pycache__/\n")
-    (work / "data/incoming").mkdir(parents=True)
-    shutil.copy(REPO / "data/incoming/README.md", work / "data/incoming")
-    sh(f"git init -q -b main && dvc init -q && dvc config core.analytics false "
-       f"&& dvc remote add -d store {root / 'remote'} && git add -A && git commit -qm init", work, env=git_env())
-    sh(f"git clone -q --bare {work} {root / 'origin.git'}", root)
-    return root / "origin.git"
-
-
-def git_env(**extra) -> dict:
-    return venv_env({"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-                     "GIT_COMMITTER_EMAIL": "t@t", **extra})
 
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
-    root = tmp_path_factory.mktemp("system")
-    origin = make_origin(root)
-    clones = {}
-    for name in ("cloud", "pi"):
-        sh(f"git clone -q {origin} {root / name}", root)
-        clones[name] = root / name
-    with ExitStack() as stack:   # unwinds in reverse: workers stop first, then the servers
-        prefect = stack.enter_context(PrefectServer(root / "prefect", scheduler_loop_s=2))
-        mlflow = stack.enter_context(MLflowServer(root / "mlflow"))
-        env = git_env(PREFECT_API_URL=prefect.api_url, MLFLOW_TRACKING_URI=mlflow.url)
-        sh(f"{sys.executable} -m pipeline.deploy --params {clones['cloud'] / 'params.yaml'}", REPO, env=env)
-        workers = {"cloud": PrefectWorker("cloud", prefect.api_url, clones["cloud"], device_id="cloud-1",
-                                          tracking_uri=mlflow.url, poll_s=2, env_extra=git_env()),
-                   "pi": PrefectWorker("pi", prefect.api_url, clones["pi"], device_id=PI, work_queue=PI,
-                                       tracking_uri=mlflow.url, poll_s=2, env_extra=git_env())}
-        for w in workers.values():
-            stack.callback(w.stop)
-            w.start()
-        yield {"root": root, "origin": origin, "clones": clones, "prefect": prefect, "mlflow": mlflow,
-               "env": env, "workers": workers}
+    # several epochs per block: an interrupted block has a checkpoint to resume from
+    with sandbox(tmp_path_factory.mktemp("system"), overrides={"neuroflux": {"epochs": 3}}) as system:
+        yield system
 
 
 def run_deployment(system, name: str, params: dict | None = None, watch: bool = True) -> subprocess.CompletedProcess:
@@ -126,8 +64,13 @@ def test_cloud_then_device_through_workers_and_remote(system):
     assert not in_remote(system, md5_of(device_lock["train_blocks"], "cache/neuroflux")), \
         "the activation cache left the device without share_activation_cache"
 
+    # the pool's preset (the deployment's default) reached params.yaml, the stages and the MLflow tags
+    device_params = yaml.safe_load(sh(f"git show devices/{PI}:params.yaml", system["origin"]).stdout)
+    assert device_params["train_bp"]["evals_per_epoch"] == CI_PRESET_FILE["params"]["train_bp.evals_per_epoch"] != \
+        yaml.safe_load(sh("git show main:params.yaml", system["origin"]).stdout)["train_bp"]["evals_per_epoch"]
+    assert len((pi / "plots/train_bp.csv").read_text().splitlines()) == 1 + 1   # header + one evaluation
     parents = mlflow_runs(system, f"tags.`edgeflux.device` = '{PI}' and tags.`edgeflux.flow` = 'device_flow'")
-    assert len(parents) == 1
+    assert len(parents) == 1 and parents[0].data.tags["edgeflux.preset"] == CI_PRESET
     stages = {r.data.tags["edgeflux.stage"] for r in
               mlflow_runs(system, f"tags.`mlflow.parentRunId` = '{parents[0].info.run_id}'")}
     assert stages == set(DEVICE_STAGES)

@@ -12,25 +12,11 @@ import psutil
 import pytest
 import yaml
 
+from pipeline.sandbox import quick_params
+
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
-QUICK = {
-    "data": {"dataset": "mnist-subset", "seed": 0},
-    "pretrain": {"models": [{"name": "vgg11", "width": 0.125}, {"name": "mobilenet_v2", "width": 0.25}], "epochs": 1,
-                 "max_train_samples": 400, "batch_size": 64, "evals_per_epoch": 1, "device": "cpu"},
-    "finetune": {"model": "mobilenet_v2-w0.25", "methods": ["mobiletl", "ft_all", "elastic"], "budget": "8MB",
-                 "max_batch": 64, "epochs": 1, "max_train_samples": 400, "evals_per_epoch": 1, "calibration_batches": 2,
-                 "elastic": {"rho": 0.7, "repeats": 1}, "device": "cpu"},
-    "train_bp": {"model": {"name": "vgg11", "width": 0.125}, "budget": "3MB", "max_batch": 64, "epochs": 1,
-                 "max_train_samples": 400, "evals_per_epoch": 2, "device": "cpu"},
-    "neuroflux": {"model": {"name": "vgg11", "width": 0.125}, "budget": "2MB", "max_batch": 64, "epochs": 1,
-                  "max_train_samples": 400, "evals_per_epoch": 1, "profile_batches": [8, 16, 32], "min_r2": 0.9,
-                  "cache": {"storage": "float16", "threshold": 0.0, "shard_size": "256KiB"}, "device": "cpu"},
-    "meanet": {"main": "mobilenet_v2-w0.25", "cloud": "vgg11-w0.125", "extension_blocks": 1, "budget": "8MB",
-               "max_batch": 32, "epochs": 1, "max_train_samples": 400, "evals_per_epoch": 1, "max_test_samples": 200,
-               "sweep": 3, "device": "cpu"},
-}
 MEANET = ["meanet_cloud", "meanet_edge", "evaluate_edge_cloud"]
 NEUROFLUX = ["profile", "partition", "train_blocks", "select_exit"]
 
@@ -52,10 +38,7 @@ def project(tmp_path_factory):
     for item in ("edgeflux", "stages", "pipeline", "dvc.yaml"):
         src = REPO / item
         (shutil.copytree if src.is_dir() else shutil.copy)(src, root / item)
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
-    for section, values in QUICK.items():
-        params[section].update(values)
-    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    (root / "params.yaml").write_text(yaml.safe_dump(quick_params(REPO / "params.yaml"), sort_keys=False))
     (root / ".gitignore").write_text("mlflow.db\nmlruns/\n.edgeflux/\n__pycache__/\n")
     (root / "data/incoming").mkdir(parents=True)   # finetune and meanet_edge read it (empty inbox)
     (root / "data/incoming/README.md").write_text("class folders of new labelled images\n")

@@ -1,0 +1,87 @@
+"""`python -m pipeline.servers`: the cloud's servers and a device's worker from a shell, up until Ctrl-C,
+and nothing left behind after it."""
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pipeline.service import free_port, port_in_use, venv_env
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def start(args: list[str], cwd: Path, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "pipeline.servers", *args], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def read_until(proc: subprocess.Popen, marker: str, timeout_s: float = 180) -> str:
+    out, deadline = "", time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        out += line
+        if marker in line:
+            return out
+    raise AssertionError(f"no {marker!r} in the output:\n{out[-4000:]}")
+
+
+def interrupt(proc: subprocess.Popen) -> int:
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_cloud_servers_and_a_device_worker_start_serve_and_stop_on_ctrl_c(tmp_path):
+    ports = {"prefect": free_port(), "mlflow": free_port()}
+    env = venv_env({"PREFECT_HOME": str(tmp_path / "client")})
+    cloud = start(["cloud", "--dir", str(tmp_path / "servers"), "--prefect-port", str(ports["prefect"]),
+                   "--mlflow-port", str(ports["mlflow"]), "--deploy"], REPO, env)
+    worker = None
+    try:
+        out = read_until(cloud, "Ctrl-C stops both")
+        api = f"http://127.0.0.1:{ports['prefect']}/api"
+        assert f"export PREFECT_API_URL={api} MLFLOW_TRACKING_URI=http://127.0.0.1:{ports['mlflow']}" in out
+        assert httpx.get(f"http://127.0.0.1:{ports['mlflow']}/health", trust_env=False).status_code == 200
+        pools = httpx.post(f"{api}/work_pools/filter", json={}, trust_env=False).json()
+        assert {"cloud", "jetson", "pi"} <= {p["name"] for p in pools}
+        deployments = httpx.post(f"{api}/deployments/filter", json={}, trust_env=False).json()
+        device = next(d for d in deployments if d["name"] == "pi" and d["parameters"].get("preset"))
+        assert device["parameters"]["preset"] == "pi4"
+
+        clone = tmp_path / "clone"
+        clone.mkdir()
+        shutil.copy(REPO / "dvc.yaml", clone)
+        worker = start(["worker", "--pool", "pi", "--device-id", "pi-07", "--clone", str(clone), "--poll-s", "2"],
+                       REPO, {**env, "PREFECT_API_URL": api})
+        read_until(worker, "Ctrl-C stops it")
+        queues = httpx.post(f"{api}/work_pools/pi/queues/filter", json={}, trust_env=False).json()
+        assert "pi-07" in {q["name"] for q in queues}   # its own queue, created before it polls
+        assert interrupt(worker) == 0
+        assert (clone / ".edgeflux/worker-pi-07.log").is_file()
+    finally:
+        if worker is not None and worker.poll() is None:
+            interrupt(worker)
+        code = interrupt(cloud)
+    assert code == 0
+    assert not port_in_use("127.0.0.1", ports["prefect"]) and not port_in_use("127.0.0.1", ports["mlflow"])
+
+
+def test_worker_without_a_server_or_outside_a_clone_says_what_to_give(tmp_path):
+    env = {k: v for k, v in venv_env().items() if k != "PREFECT_API_URL"}
+    out = subprocess.run([sys.executable, "-m", "pipeline.servers", "worker", "--pool", "pi"], cwd=REPO, env=env,
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and "give --api-url or set PREFECT_API_URL" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "pipeline.servers", "worker", "--pool", "pi", "--clone", str(tmp_path),
+                          "--api-url", "http://127.0.0.1:9/api"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "not an edgeflux clone (no dvc.yaml)" in out.stderr
