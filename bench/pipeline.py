@@ -7,7 +7,8 @@ stage, a worker's pick-up latency and the cloud -> device round trip through rea
    (metrics, plots), so a plain `dvc repro` would skip the stages whose deps hash as before (profile,
    partition); --force makes it every stage, as a first run has to. Each stage's wall time is read from
    DVC's output as it streams: from its "Running stage 'x'" line to the "Updating lock file" line DVC prints
-   once the stage's outputs are saved; what is left of repro_s is DVC's own work (status, hashing).
+   once the stage's outputs are saved (or, when its lock entry did not change and DVC prints no such line, to
+   the next stage's start); what is left of repro_s is DVC's own work (status, hashing).
 2. noop_s: `dvc repro` right after: nothing to do.
 3. prefect_overhead_s: with a Prefect server up, `python -m pipeline.flows` (the in-process `pipeline` flow;
    every stage cached, so each task is a no-op `dvc repro --single-item <stage>`) against a plain loop of
@@ -131,14 +132,13 @@ def timed_repro(clone: Path, env: dict[str, str], log_path: Path, *flags: str) -
             for line in proc.stdout:
                 now = time.perf_counter() - start
                 out.write(f"{now:9.2f} {line}")
-                if match := RUNNING.match(line):
+                if (match := RUNNING.match(line)) or line.startswith("Updating lock file"):
+                    current = _stage_done(stages, current, now)
+                if match:
                     current = {"stage": match.group(1), "start_s": round(now, 3)}
                     log.info("%7.1fs  running stage %s", now, current["stage"])
-                elif line.startswith("Updating lock file") and current:
-                    stages.append({**current, "wall_s": now - current["start_s"]})
-                    log.info("%7.1fs  %s done in %.1fs", now, current["stage"], stages[-1]["wall_s"])
-                    current = None
         proc.wait()
+        _stage_done(stages, current, time.perf_counter() - start)
     finally:
         if proc.poll() is None:
             signal_group(proc.pid, signal.SIGTERM)
@@ -150,6 +150,14 @@ def timed_repro(clone: Path, env: dict[str, str], log_path: Path, *flags: str) -
         tail = "".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-30:])
         raise BenchError(f"dvc repro {' '.join(flags)} failed ({proc.returncode}) in {clone}; {log_path}:\n{tail}")
     return {"wall_s": wall, "stages": stages}
+
+
+def _stage_done(stages: list[dict], current: dict | None, now: float) -> None:
+    """Close the running stage at ``now``: at its lock update, or, when its lock entry did not change (DVC
+    prints no update: a deterministic stage forced to run again), at the next stage's start or the end."""
+    if current:
+        stages.append({**current, "wall_s": now - current["start_s"]})
+        log.info("%7.1fs  %s done in %.1fs", now, current["stage"], stages[-1]["wall_s"])
 
 
 def stage_loop(clone: Path, stages: list[str], env: dict[str, str]) -> float:

@@ -165,3 +165,45 @@ def test_killed_worker_mid_stage_then_rerun_resumes_from_cached_blocks(system):
     blocks = json.loads((pi / "metrics/train_blocks.json").read_text())["block_results"]
     assert blocks[0]["skipped"], "block 0 was trained again instead of reused from the activation cache"
     assert blocks[1]["resumed_from_epoch"] >= 1 or blocks[1]["skipped"]
+
+
+def process_in(clone: Path, command: str):
+    """A running process whose command line holds ``command`` and whose working directory is ``clone``, or None."""
+    import psutil
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if command in " ".join(proc.info["cmdline"] or []) and Path(proc.cwd()) == clone:
+                return proc
+        except (psutil.Error, OSError):
+            continue
+    return None
+
+
+def test_server_killed_mid_stage_loses_nothing(system):
+    """SIGKILL the Prefect server while a device stage trains: the stage still finishes and its outputs stay;
+    with the server back (same database), the workers pick runs up again and a re-run skips the stage."""
+    import psutil
+    pi, prefect = system["clones"]["pi"], system["prefect"]
+    request = {"stages": ["train_bp"], "pull": False, "push": False, "params": {"train_bp.seed": 11}}
+    run_deployment(system, "device_flow/pi", request, watch=False)
+    deadline = time.monotonic() + 600
+    while process_in(pi, "stages.train_bp") is None:   # training, not only starting
+        assert time.monotonic() < deadline, "train_bp never started"
+        time.sleep(0.2)
+    repro = process_in(pi, "repro --single-item train_bp")   # the stage's dvc: it saves the outputs after it
+    prefect.kill()
+    gone, alive = psutil.wait_procs([repro], timeout=600)
+    assert gone and not alive, "the stage did not finish without the server"
+    model = pi / "models/train_bp.pt"
+    trained = model.stat().st_mtime_ns
+    assert sh("dvc status --json train_bp", pi).stdout.strip() in ("{}", ""), "train_bp's outputs are not recorded"
+
+    prefect.start()   # the same port and database
+    for name, worker in system["workers"].items():
+        if worker.process is None or worker.process.poll() is not None:
+            print(f"worker {name} exited while the server was down: restarted")   # in the test's output
+            worker.stop()
+            worker.start()
+    out = run_deployment(system, "device_flow/pi", request)
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
+    assert model.stat().st_mtime_ns == trained, "train_bp ran again: what it made while the server was down was lost"
