@@ -228,6 +228,12 @@ def stale(stages: list[str]) -> list[str]:
     return [s for s in stages if s in changed]
 
 
+def retrain_targets(graph: dict[str, set[str]]) -> list[str]:
+    """The fine-tuning stages (and what depends on them) that `dvc status` reports changed, and every stage
+    downstream of those: their inputs change once those run, although `dvc status` cannot say so yet."""
+    return downstream(stale(downstream(RETRAIN_STAGES, graph)), graph)
+
+
 @flow(name="retrain_flow", log_prints=True)
 def retrain_flow(preset: str | None = None, params: dict | None = None, pull: bool = True, push: bool = True,
                  branch: str = "main") -> dict:
@@ -241,7 +247,7 @@ def retrain_flow(preset: str | None = None, params: dict | None = None, pull: bo
         dvc_pull([p for p in incoming_files() if p.endswith(".dvc")])
     env = configure(chosen, params, flow_env("retrain_flow", device_id=device_id()))
     new_data = track_new_data()
-    todo = stale(downstream(RETRAIN_STAGES, graph))
+    todo = retrain_targets(graph)
     result = {"device": device_id(), "new_data": new_data, "retrained": todo, "pushed_bytes": 0, "commit": None}
     if not todo:
         get_run_logger().info("nothing to retrain: %s and the fine-tuning stages are up to date", INCOMING)

@@ -148,6 +148,28 @@ def _bytes(project, paths):
     return {path: (project / path).read_bytes() for path in paths}
 
 
+def test_new_labelled_data_retrains_the_fine_tuning_stages_and_all_they_feed(project, monkeypatch):
+    """What retrain_flow runs: the stages that read data/incoming, and those downstream of them, which
+    `dvc status` cannot report changed before their inputs are rebuilt."""
+    import numpy as np
+    from PIL import Image
+
+    from pipeline.flows import retrain_targets, stage_graph
+    monkeypatch.chdir(project)
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}:{os.environ['PATH']}")   # the flow calls `dvc`
+    assert retrain_targets(stage_graph()) == []   # everything up to date: nothing to retrain
+    folder = project / "data/incoming/3"
+    folder.mkdir()
+    try:
+        for i in range(2):
+            Image.fromarray(np.zeros((28, 28), np.uint8)).save(folder / f"{i}.png")
+        todo = retrain_targets(stage_graph())
+    finally:
+        shutil.rmtree(folder)
+    assert set(todo) == {"finetune", "meanet_edge", "evaluate_edge_cloud", "report"}
+    assert todo.index("meanet_edge") < todo.index("evaluate_edge_cloud") and todo[-1] == "report"
+
+
 def test_a_stage_that_stops_under_dvc_keeps_the_last_good_outputs(project):
     """DVC deletes a stage's outputs before running it unless they persist: a bad param, a misspelt section
     or a budget too small must stop the stage with its one line and leave every last good output in place."""
