@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -192,6 +193,10 @@ def run_worker(args: argparse.Namespace) -> int:
         return follow([worker])
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.servers", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -219,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--poll-s", type=float, default=None, help="how often it asks for runs (Prefect's default: 10 s)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # Ctrl-C and `kill` both stop the services cleanly: SIGINT even when a shell started this in the background
+    # (which ignores it there), SIGTERM as from systemd or `docker stop`
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         return serve_cloud(args) if args.command == "cloud" else run_worker(args)
     except ServiceError as exc:

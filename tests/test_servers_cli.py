@@ -33,8 +33,8 @@ def read_until(proc: subprocess.Popen, marker: str, timeout_s: float = 180) -> s
     raise AssertionError(f"no {marker!r} in the output:\n{out[-4000:]}")
 
 
-def interrupt(proc: subprocess.Popen) -> int:
-    proc.send_signal(signal.SIGINT)
+def interrupt(proc: subprocess.Popen, signum: int = signal.SIGINT) -> int:
+    proc.send_signal(signum)
     try:
         return proc.wait(timeout=60)
     finally:
@@ -67,7 +67,8 @@ def test_cloud_servers_and_a_device_worker_start_serve_and_stop_on_ctrl_c(tmp_pa
         read_until(worker, "Ctrl-C stops it")
         queues = httpx.post(f"{api}/work_pools/pi/queues/filter", json={}, trust_env=False).json()
         assert "pi-07" in {q["name"] for q in queues}   # its own queue, created before it polls
-        assert interrupt(worker) == 0
+        assert interrupt(worker, signal.SIGTERM) == 0   # `kill` stops it as cleanly as Ctrl-C
+        assert "stopped" in worker.stdout.read()
         assert (clone / ".edgeflux/worker-pi-07.log").is_file()
     finally:
         if worker is not None and worker.poll() is None:
