@@ -239,7 +239,7 @@ def test_pipeline_quick_times_dvc_prefect_workers_and_the_round_trip(tmp_path):
     # pick-up as the Prefect API recorded it, for the round trip's two runs and the no-op ones
     runs = result["flow_runs"]
     assert [r["run"] for r in runs[:2]] == ["cloud_flow/cloud", "device_flow/pi"] and len(runs) == 4
-    assert all(r["state"] == "Completed" and 0 < r["pickup_s"] < r["pickup_s"] + r["duration_s"] for r in runs)
+    assert all(r["state"] == "Completed" and r["pickup_s"] > 0 and r["duration_s"] > 0 for r in runs)
     assert sorted(r["pickup_s"] for r in runs)[1] <= result["pickup_s"] <= sorted(r["pickup_s"] for r in runs)[2]
     trip = result["roundtrip"]
     assert trip["cloud_flow_s"] + trip["device_flow_s"] < result["roundtrip_s"]
