@@ -28,13 +28,13 @@ setup: $(VENV)/.installed $(DATASET) compiler
 # second with the figure instead of minutes later inside pip with "Errno 28".
 VENV_NEED_KIB := 7340032
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	@free=$$(df --output=avail -k . | tail -n 1); [ "$$free" -ge $(VENV_NEED_KIB) ] || { \
 		echo "not enough disk for $(VENV): $$((free / 1048576)) GiB free in $(CURDIR), $$(($(VENV_NEED_KIB) / 1048576)) GiB needed" \
 		     "(torch's CUDA build is 6.4 GiB): free some space, e.g. old clones or ~/.cache/pip"; exit 1; }
 	$(PYTHON) -m venv $(VENV) || { echo "python3-venv missing: $(SUDO) apt-get install -y python3-venv"; exit 1; }
 	$(BIN)/python -m pip install --upgrade --quiet pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $@
 
 $(DATASET):

@@ -3,7 +3,7 @@
     python bench/compare_outputs.py REV_A REV_B            # every JSON value that differs
     python bench/compare_outputs.py REV_A REV_B --peaks    # every measured peak side by side (markdown)
 
-Reads metrics/*.json, memory/*.json, profile/memory.json and partition/blocks.json with `git show`, so
+Reads every stage's figures (details/*.json, metrics/*.json before those existed), memory/*.json, profile/memory.json and partition/blocks.json with `git show`, so
 two `dvc repro` runs committed one after the other can be compared without checking either out. Times,
 throughputs and process RSS/USS are left out: they move from run to run.
 """
@@ -20,6 +20,13 @@ TIMING = ("time_s", "seconds", "overhead", "throughput", "rss", "uss", "speedup"
 
 
 def read(rev: str, path: str) -> dict:
+    """A file at a revision. metrics/<stage>.json became the headline and every figure moved to
+    details/<stage>.json: that is read where the revision has it, so old and new revisions compare."""
+    if path.startswith("metrics/"):
+        detail = subprocess.run(["git", "show", f"{rev}:details/{path.removeprefix('metrics/')}"],
+                                capture_output=True, text=True)
+        if detail.returncode == 0:
+            return json.loads(detail.stdout)
     return json.loads(subprocess.run(["git", "show", f"{rev}:{path}"], check=True, capture_output=True, text=True).stdout)
 
 

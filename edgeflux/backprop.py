@@ -39,11 +39,13 @@ class BudgetedRun:
             "peak_mem_bytes": self.step_memory.peak_bytes,
             "saved_bytes": self.step_memory.saved_bytes,
             "train_time_s": self.train.train_time_s,
+            "train_cpu_s": self.train.train_cpu_s,
             "steps": self.train.steps,
             "val_acc": self.train.history[-1]["val_acc"] if self.train.history else 0.0,
             "best_val_acc": self.train.best_val_acc,
             "test_acc": self.test_acc,
             "params": self.params,
+            "trainable_params": self.params,   # backprop trains every parameter
         }
         if storage := self.step_memory.activation_storage:   # e.g. BitTrain: saved bytes dense vs as stored
             total = storage["total"]

@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from edgeflux.bittrain import BitTrainOptions as BitTrainParams
 from edgeflux.data import DATASETS
-from edgeflux.finetune import FinetuneOptions, MethodName
+from edgeflux.finetune import FinetuneOptions, parse_method
 from edgeflux.models import ModelSpec
 from edgeflux.neuroflux.aux import AUX_MODES
 from edgeflux.neuroflux.cache import CacheOptions as CacheParams
@@ -98,13 +98,15 @@ class FinetuneParams(FinetuneOptions):
     """Fine-tuning a pretrained backbone on the device (target) data: one run per method (stage finetune)."""
 
     model: str                                       # a key of pretrain.models: models/pretrained/<model>.pt
-    methods: list[MethodName] = Field(min_length=1)   # dvc.yaml runs the stage once per entry
+    methods: list[str] = Field(min_length=1)   # dvc.yaml runs the stage once per entry
 
     @field_validator("methods")
     @classmethod
     def _unique(cls, methods: list[str]) -> list[str]:
         if len(set(methods)) != len(methods):
             raise ValueError("a method is listed twice")
+        for method in methods:
+            parse_method(method)
         return methods
 
 

@@ -28,6 +28,11 @@ Methods (the paper's baselines, Table 3, beside MobileTL):
 
 In every setting the classifier trains; in the block-wise ones the last 1x1 conv (the paper's "feature
 fusion layer") does too.
+
+Compositions are named ``<method>-<modifier>...`` (``parse_method``): ``-bittrain`` turns BitTrain on for
+that run (``bittrain``'s other settings apply), and ``elastic-<base>`` selects among ``<base>``'s tensors
+(ElasticTrainer on a MobileTL model: ``elastic-mobiletl``). ``-`` because no method name has one and DVC
+takes it in a matrix stage's name.
 """
 from __future__ import annotations
 
@@ -36,7 +41,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +61,7 @@ from edgeflux.train import MemoryOptions, TrainOptions
 log = logging.getLogger(__name__)
 
 __all__ = ["METHODS", "METHOD_NAMES", "FinetuneOptions", "FinetuneRun", "Prepared", "count_flops", "finetune",
+           "method_options", "parse_method",
            "prepare"]
 
 
@@ -144,7 +149,31 @@ METHODS: dict[str, Callable[[UnitModel, FinetuneOptions, list[Tensor], torch.dev
     "ft_blocks": ft_blocks, "mobiletl": mobiletl, "elastic": elastic,
 }
 METHOD_NAMES = tuple(METHODS)
-MethodName = Literal[METHOD_NAMES]   # for params validation
+MODIFIERS = ("bittrain",)
+METHOD_HELP = (f"one of {' | '.join(METHOD_NAMES)}, optionally followed by -bittrain (BitTrain on), "
+               "and elastic by -<base> (the method whose tensors it selects among, e.g. elastic-mobiletl)")
+
+
+def parse_method(spec: str) -> tuple[str, str | None, bool]:
+    """(method, elastic base or None, BitTrain on) of a method name such as 'mobiletl-bittrain' or
+    'elastic-mobiletl'; ValueError naming the allowed forms otherwise."""
+    method, *mods = spec.split("-")
+    base = [m for m in mods if m in METHODS and m != "elastic"]
+    unknown = [m for m in mods if m not in MODIFIERS and m not in base]
+    if method not in METHODS or unknown or len(set(mods)) < len(mods) or len(base) > (method == "elastic"):
+        raise ValueError(f"finetune method {spec!r} is unknown: {METHOD_HELP}")
+    return method, (base[0] if base else None), "bittrain" in mods
+
+
+def method_options(spec: str, opts: FinetuneOptions) -> tuple[str, FinetuneOptions]:
+    """The method a name runs and the options it runs with (a composition's modifiers applied)."""
+    method, base, bittrain = parse_method(spec)
+    update = {}
+    if bittrain:
+        update["bittrain"] = opts.bittrain.model_copy(update={"enabled": True})
+    if base:
+        update["elastic"] = opts.elastic.model_copy(update={"base": base})
+    return method, opts.model_copy(update=update)
 
 
 class FinetuneOptions(TrainOptions, MemoryOptions):
@@ -207,7 +236,8 @@ class FinetuneRun:
         (and, for elastic, the selections' summary)."""
         steps = max(1, self.run.train.steps)
         out = {**self.run.metrics(), "method": self.method, "params": self.total_params,
-               "train_params": self.train_params, "flops_forward_per_sample": self.flops_forward,
+               "train_params": self.train_params, "trainable_params": self.train_params,
+               "flops_forward_per_sample": self.flops_forward,
                "flops_backward_per_sample": self.flops_backward,
                "flops_per_sample": self.flops_forward + self.flops_backward,
                "step_time_s": self.run.train.train_time_s / steps}
@@ -228,18 +258,19 @@ def finetune(model: UnitModel, method: str, opts: FinetuneOptions, train: tuple,
     for the checkpoint's signature. track_test: the history records test accuracy at each evaluation
     (benchmarks' time-to-accuracy; never used to choose anything)."""
     device = torch.device(device)
+    spec, (method, opts) = method, method_options(method, opts)
     prepared = prepare(method, model, opts, calibration_batches(train[0], opts.calibration_batches), device)
     net = prepared.model
     trainable = [name for name, p in net.named_parameters() if p.requires_grad]
     run = train_under_budget(net, train, val, test, model.num_classes, opts, opts, device, checkpoint=checkpoint,
-                             desc=f"finetune {method}", context=opts.bittrain.context,
-                             signature=run_signature(method=method, start=start, info=prepared.info),
+                             desc=f"finetune {spec}", context=opts.bittrain.context,
+                             signature=run_signature(method=spec, start=start, info=prepared.info),
                              make_before_step=prepared.make_before_step, track_test=track_test)
     for name, p in net.named_parameters():       # a method that re-selected while training leaves its last set
         p.requires_grad_(name in trainable)
     n = min(FLOPS_BATCH, len(train[1]))
     fwd, bwd = count_flops(model, net, train[0][:n].to(device), train[1][:n].to(device))
-    return FinetuneRun(method, run, count_params(net, trainable_only=True), count_params(model), fwd // n, bwd // n,
+    return FinetuneRun(spec, run, count_params(net, trainable_only=True), count_params(model), fwd // n, bwd // n,
                        prepared.info, *_selections(net, trainable, run.train, opts.epochs))
 
 

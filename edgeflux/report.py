@@ -1,9 +1,9 @@
-"""The pipeline's summary: one table, an accuracy-vs-time plot and a memory plot from every stage's outputs.
+"""The pipeline's plots: accuracy vs training time, and the memory plot (the method table is
+edgeflux.summary's).
 
-Works on what the stages wrote, handed over by the report stage, which owns the file paths: metrics as
-dicts keyed by stage, accuracy-vs-time curves as CSV paths or (times, accs). Adds rows for the stages
-that have run, so later techniques appear as soon as their stage has. BarPanel / plot_bar_panels draw
-grouped bars (memory per unit, peak per block) for the report stage and the benchmarks alike.
+Works on what the stages wrote, handed over by the report stage, which owns the file paths:
+accuracy-vs-time curves as CSV paths or (times, accs). BarPanel / plot_bar_panels draw grouped bars
+(memory per unit, peak per block) for the report stage and the benchmarks alike.
 """
 from __future__ import annotations
 
@@ -13,72 +13,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edgeflux.memory import OUTSIDE_UNITS, MiB, format_bytes
+from edgeflux.memory import OUTSIDE_UNITS, MiB
 
-COLUMNS = ["stage", "data", "model", "batch", "budget", "measured peak", "train s", "to target s", "test acc"]
-
-# An accuracy-vs-time curve: a CSV with time_s and val_acc columns (as the training stages write them;
-# a path that does not exist is no curve), or its (times, accs) already read.
+# An accuracy-vs-time curve: a CSV with time_s, cpu_s and val_acc columns (as the training stages write
+# them; a path that does not exist is no curve), or its (times, accs) already read.
 Curve = Path | tuple[list[float], list[float]]
-
-
-def summary_rows(metrics: dict[str, dict], curves: dict[str, Curve] | None = None,
-                 target_acc: float | None = None) -> list[dict]:
-    """One row per trained model, from `metrics`: stage name ("pretrain", "train_bp", "train_blocks",
-    "select_exit") -> that stage's metrics JSON as a dict, and "finetune" -> {method: its metrics}; a stage
-    missing from it has not run and gets no row. 'to target s' is the training time until validation accuracy first reached target_acc,
-    from curves[stage] where the stage has one."""
-    curves = curves or {}
-    rows = []
-    if "pretrain" in metrics:
-        for key, m in metrics["pretrain"].items():
-            rows.append(_row("pretrain", "source (cloud)", key, m, None))
-    if "train_bp" in metrics:
-        m = metrics["train_bp"]
-        rows.append(_row("train_bp", "target (device)", m["model"], m, _to_target(curves.get("train_bp"), target_acc)))
-    if "train_blocks" in metrics:
-        m = metrics["train_blocks"]
-        to_target = _to_target(curves.get("train_blocks"), target_acc)
-        row = {**m, "batch_size": "/".join(map(str, m["batch_sizes"]))}
-        rows.append(_row("train_blocks (NeuroFlux)", "target (device)", m["model"], row, to_target))
-    for method, m in metrics.get("finetune", {}).items():
-        rows.append(_row(f"finetune {method}", "target (device)", m["model"], m,
-                         _to_target(curves.get(f"finetune {method}"), target_acc)))
-    if "select_exit" in metrics:
-        m = metrics["select_exit"]
-        rows.append({"stage": "select_exit (NeuroFlux)", "data": "target (device)",
-                     "model": f"{m['model']} exit {m['exit_unit']} ({m['compression']:.1f}x fewer params)",
-                     "batch": "-", "budget": "-", "measured peak": "-", "train s": "-", "to target s": "-",
-                     "test acc": f"{m['test_acc']:.4f}"})
-    return rows
 
 
 def time_to_target(times: list[float], accs: list[float], target: float) -> float | None:
     return next((t for t, a in zip(times, accs) if a >= target), None)
 
 
-def _to_target(curve: Curve | None, target_acc: float | None) -> float | None:
-    points = _points(curve) if target_acc else None
-    return time_to_target(*points, target_acc) if points is not None else None
-
-
-def _row(stage: str, data: str, model: str, m: dict, to_target: float | None) -> dict:
-    return {"stage": stage, "data": data, "model": model, "batch": m["batch_size"],
-            "budget": format_bytes(m["budget_bytes"]) if m.get("budget_bytes") else "none",
-            "measured peak": format_bytes(m["peak_mem_bytes"]), "train s": f"{m['train_time_s']:.1f}",
-            "to target s": f"{to_target:.1f}" if to_target is not None else "-", "test acc": f"{m['test_acc']:.4f}"}
-
-
-def markdown_table(rows: list[dict], columns: list[str] = COLUMNS) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
-
-
-def read_curve(path: Path) -> tuple[list[float], list[float]]:
+def read_curve(path: Path, x: str = "cpu_s") -> tuple[list[float], list[float]]:
+    """(x, val_acc) of a curve CSV; x is the process's CPU time by default (steady on a loaded machine),
+    the wall clock (time_s) where the file has no CPU time."""
     with path.open() as f:
         rows = list(csv.DictReader(f))
-    return [float(r["time_s"]) for r in rows], [float(r["val_acc"]) for r in rows]
+    column = x if rows and all(r.get(x) not in (None, "") for r in rows) else "time_s"
+    return [float(r[column]) for r in rows], [float(r["val_acc"]) for r in rows]
 
 
 def _points(curve: Curve | None) -> tuple[list[float], list[float]] | None:
@@ -89,19 +41,21 @@ def _points(curve: Curve | None) -> tuple[list[float], list[float]] | None:
 
 
 def plot_accuracy_vs_time(curves: dict[str, Curve], out: Path, target_acc: float | None = None) -> None:
+    """Validation accuracy against training CPU time (evaluation excluded), one line per curve."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(8, 5))
     for label, curve in curves.items():
         if (points := _points(curve)) is not None:
-            ax.plot(*points, marker="o", label=label)
+            ax.plot(*points, marker="o", markersize=3, label=label)
     if target_acc is not None:
         ax.axhline(target_acc, color="grey", linestyle="--", linewidth=1, label=f"target {target_acc:.0%}")
-    ax.set(xlabel="training time (s)", ylabel="validation accuracy", title="Accuracy vs training time")
+    ax.set(xlabel="training CPU time (s, every thread; the wall clock stretches on a loaded machine)",
+           ylabel="validation accuracy", title="Accuracy vs training CPU time")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8, loc="lower right")
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
@@ -130,7 +84,9 @@ class BarPanel:
 
 
 def draw_bars(ax: Any, panel: BarPanel) -> list:
-    """Draw `panel` on matplotlib axes `ax`; returns the bar containers, one per series."""
+    """Draw `panel` on matplotlib axes `ax`, series and line labelled but no legend (the caller places it
+    where it covers nothing: bar_panels_figure puts it below the axes); returns the bar containers, one
+    per series."""
     n = max(len(panel.series), 1)
     width = 0.8 / n
     containers = []
@@ -145,27 +101,49 @@ def draw_bars(ax: Any, panel: BarPanel) -> list:
                   fontsize=8)
     ax.set(ylabel=panel.ylabel, title=panel.title)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
     return containers
 
 
-def plot_bar_panels(panels: Sequence[BarPanel], out: Path, title: str | None = None, ncols: int = 2) -> None:
-    """The panels side by side (ncols per row) in one PNG."""
+def bar_panels_figure(panels: Sequence[BarPanel], title: str | None = None, ncols: int = 2) -> Any:
+    """The matplotlib figure of plot_bar_panels (the caller closes it). Rows of at most `ncols` panels,
+    as even as can be (3 panels in 2 columns: 2 + 1), each row's panels sharing its width equally: no
+    cell is left empty. Each panel's legend sits below its axes, outside them,
+    so it covers no bar and no budget line (the bars and the line both reach the top of the axes)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     if not panels:
-        raise ValueError(f"nothing to plot in {out}: no panels")
+        raise ValueError("nothing to plot: no panels")
     ncols = min(ncols, len(panels))
     nrows = -(-len(panels) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(6.5 * ncols, 4.4 * nrows), squeeze=False, layout="constrained")
-    for ax, panel in zip(axes.flat, panels):
-        draw_bars(ax, panel)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.set_visible(False)
+    sizes = [len(panels) // nrows + (r < len(panels) % nrows) for r in range(nrows)]
+    fig = plt.figure(figsize=(6.5 * ncols, 4.9 * nrows), layout="constrained")
+    rows = fig.subfigures(nrows, 1, squeeze=False)[:, 0]
+    start = 0
+    for row, size in zip(rows, sizes):
+        chunk = panels[start:start + size]
+        start += size
+        cells = row.subfigures(1, size, squeeze=False)[0]
+        for cell, panel in zip(cells, chunk):
+            ax = cell.subplots()
+            draw_bars(ax, panel)
+            handles, labels = ax.get_legend_handles_labels()
+            if handles:
+                cell.legend(handles, labels, loc="outside lower center", ncols=len(handles), fontsize=8,
+                            frameon=False)
     if title:
         fig.suptitle(title)
+    return fig
+
+
+def plot_bar_panels(panels: Sequence[BarPanel], out: Path, title: str | None = None, ncols: int = 2) -> None:
+    """The panels in one PNG, at most ncols per row (bar_panels_figure)."""
+    import matplotlib.pyplot as plt
+
+    if not panels:
+        raise ValueError(f"nothing to plot in {out}: no panels")
+    fig = bar_panels_figure(panels, title, ncols)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)

@@ -12,7 +12,9 @@ measures the same steps (``edgeflux.memory.measure_training_step``). It owns:
 
 * the schedule: a per-step cosine LR over ``epochs * steps_per_epoch`` steps;
 * evaluation points, ``evals_per_epoch`` per epoch, and an accuracy-vs-time history in which time
-  counts training only (evaluation excluded), so curves of different methods compare fairly;
+  counts training only (evaluation excluded), so curves of different methods compare fairly. Each
+  row has the wall time (``time_s``) and the process's CPU time (``cpu_s``, every thread): on a
+  machine that other work loads, wall time stretches (70 s became 884 s here) and CPU time barely;
 * modes: the model trains in ``train_mode`` (modules a method keeps in eval, e.g. frozen BatchNorm,
   stay so) and evaluation restores every submodule's own mode;
 * resume: with ``checkpoint`` set, the full state (model, optimizer, scheduler, RNG, history, elapsed
@@ -139,6 +141,7 @@ def evaluate(model: nn.Module, x: Tensor | Images, y: Tensor, batch_size: int = 
 class TrainResult:
     history: list[dict] = field(default_factory=list)   # rows: step, epoch, time_s, train_loss, val_acc, ...
     train_time_s: float = 0.0
+    train_cpu_s: float = 0.0        # the process's CPU time over the same spans (every thread): steadier than wall
     steps: int = 0
     epochs_done: int = 0
     resumed_from_epoch: int = 0
@@ -163,7 +166,7 @@ class _Loop:
     steps_per_epoch: int
     evaluate: Callable[[], dict]
     device: torch.device
-    offset: tuple[int, float]       # (steps, seconds) already on the curve before this run (NeuroFlux's earlier blocks)
+    offset: tuple[int, float, float]   # (steps, wall s, CPU s) already on the curve before this run (NeuroFlux's earlier blocks)
     before_step: Callable[[TrainResult], None] | None
     desc: str
 
@@ -173,14 +176,14 @@ def train_loop(step: Step, batches: Callable[[int], Iterable[tuple[Tensor, Tenso
                device: torch.device | str = "cpu", checkpoint: Path | None = None, signature: str = "",
                desc: str = "train", before_step: Callable[[TrainResult], None] | None = None,
                on_epoch_end: Callable[[int, TrainResult], None] | None = None, keep_checkpoint: bool = False,
-               offset: tuple[int, float] = (0, 0.0)) -> TrainResult:
+               offset: tuple[int, float, float] = (0, 0.0, 0.0)) -> TrainResult:
     """Train ``step.model`` for ``epochs`` epochs of ``batches(epoch)`` (see the module docstring).
 
     evaluate(): the row fields at an evaluation point (at least ``val_acc``), in eval mode.
     signature: what defines the run; a checkpoint of another signature is never resumed.
     keep_checkpoint: leave the checkpoint after the last epoch (a caller with work after training keeps
     it until that work is saved, so that a kill in between does not retrain); else it is deleted.
-    offset: (steps, seconds) the history's step and time_s start from.
+    offset: (steps, wall seconds, CPU seconds) the history's step, time_s and cpu_s start from.
     """
     total = steps_per_epoch * epochs
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(step.optimizer, T_max=total)
@@ -224,7 +227,12 @@ def _resume(loop: _Loop, checkpoint: Path | None, signature: str, epochs: int) -
 def _run_epoch(loop: _Loop, epoch_batches: Iterable[tuple[Tensor, Tensor]], epoch: int, result: TrainResult,
                progress: Progress, task) -> None:
     loss_sum, loss_n = 0.0, 0
-    tick = time.perf_counter()
+    tick, cpu_tick = time.perf_counter(), time.process_time()
+
+    def clock() -> None:   # evaluation is outside both clocks
+        result.train_time_s += time.perf_counter() - tick
+        result.train_cpu_s += time.process_time() - cpu_tick
+
     for i, (xb, yb) in enumerate(epoch_batches, start=1):
         if loop.before_step is not None:
             loop.before_step(result)
@@ -234,18 +242,19 @@ def _run_epoch(loop: _Loop, epoch_batches: Iterable[tuple[Tensor, Tensor]], epoc
         loss_sum += loss * len(yb)
         loss_n += len(yb)
         if i in loop.eval_points:
-            result.train_time_s += time.perf_counter() - tick
+            clock()
             row = {"step": loop.offset[0] + result.steps, "epoch": epoch + i / loop.steps_per_epoch,
-                   "time_s": loop.offset[1] + result.train_time_s, "train_loss": loss_sum / loss_n, **loop.evaluate()}
+                   "time_s": loop.offset[1] + result.train_time_s, "cpu_s": loop.offset[2] + result.train_cpu_s,
+                   "train_loss": loss_sum / loss_n, **loop.evaluate()}
             train_mode(loop.step.model)
             result.history.append(row)
-            log.info("%s: epoch %.2f step %d loss %.4f val_acc %.4f (%.1fs training)", loop.desc, row["epoch"],
-                     row["step"], row["train_loss"], row["val_acc"], row["time_s"])
+            log.info("%s: epoch %.2f step %d loss %.4f val_acc %.4f (%.1fs training, %.1f CPU s)", loop.desc,
+                     row["epoch"], row["step"], row["train_loss"], row["val_acc"], row["time_s"], row["cpu_s"])
             progress.update(task, status=f"loss {row['train_loss']:.3f} val {row['val_acc']:.3f}")
             loss_sum, loss_n = 0.0, 0
-            tick = time.perf_counter()
+            tick, cpu_tick = time.perf_counter(), time.process_time()
         progress.advance(task)
-    result.train_time_s += time.perf_counter() - tick
+    clock()
 
 
 def _describe(context: Callable) -> object:

@@ -14,13 +14,14 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import psutil
 from rich.logging import RichHandler
 
-from edgeflux.artifacts import CorruptFileError, WriteError
+from edgeflux.artifacts import CorruptFileError, WriteError, write_json
 from edgeflux.config import Params, ParamsError, load_params
 from edgeflux.data import DataParamsError, DatasetNotFoundError, PreparedDataError
 from edgeflux.data.incoming import IncomingDataError
@@ -48,6 +49,7 @@ MACHINE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.E
 
 # One lock file per stage, relative to the working directory (dvc runs stages in the repository root).
 LOCKS = Path(".edgeflux/locks")
+METRICS_DIR, DETAILS_DIR = Path("metrics"), Path("details")   # the headline (DVC metrics), every figure (DVC outs)
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -197,10 +199,10 @@ def _holder(fd: int) -> str:
 
 
 def write_history_csv(path: Path, history: list[dict]) -> None:
-    """The accuracy-vs-time rows DVC plots (dvc.yaml's plots: x time_s, y val_acc)."""
+    """The accuracy-vs-time rows DVC plots (dvc.yaml's plots: x time_s or cpu_s, y val_acc)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["step", "epoch", "time_s", "train_loss", "val_acc"])
+        writer = csv.DictWriter(f, fieldnames=["step", "epoch", "time_s", "cpu_s", "train_loss", "val_acc"])
         writer.writeheader()
         writer.writerows(history)
 
@@ -208,3 +210,37 @@ def write_history_csv(path: Path, history: list[dict]) -> None:
 def peak_rss_bytes() -> int:
     """This process's peak resident set size (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# A training stage's headline: its detail names -> the names every stage shares (MiB, not bytes: a
+# column of `dvc exp show` is read by a person). Accuracy is on the stage's own test split.
+TRAINING_HEADLINE = {"test_acc": "test_acc", "train_time_s": "train_time_s", "train_cpu_s": "train_cpu_s",
+                     "peak_mem_bytes": "peak_mib", "budget_bytes": "budget_mib", "batch_size": "batch",
+                     "trainable_params": "trainable_params", "params": "params"}
+
+
+def headline(detail: Mapping[str, Any], names: Mapping[str, str] = TRAINING_HEADLINE) -> dict[str, float]:
+    """The figures of `detail` that `names` lists, renamed; bytes become MiB (one decimal)."""
+    out = {}
+    for key, name in names.items():
+        value = detail.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = round(value / 2**20, 1) if key.endswith("bytes") else value
+    return out
+
+
+def write_metrics(name: str, detail: Mapping[str, Any], run, names: Mapping[str, str] = TRAINING_HEADLINE,
+                  head: Mapping[str, Any] | None = None) -> list[Path]:
+    """Write a stage's figures twice: metrics/<name>.json, the headline (a few figures under names every
+    stage shares: what `dvc metrics show` and `dvc exp show` list, and what the stage's MLflow run and its
+    pipeline's parent run carry) and details/<name>.json (everything). Returns both paths.
+
+    head: the headline when it is not one flat selection of `detail` (several models in one stage).
+    """
+    head = dict(head) if head is not None else headline(detail, names)
+    paths = [METRICS_DIR / f"{name}.json", DETAILS_DIR / f"{name}.json"]
+    write_json(paths[0], head)
+    write_json(paths[1], detail)
+    run.log_metrics({k: v for k, v in detail.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    run.log_headline(head)
+    return paths

@@ -18,7 +18,7 @@ import csv
 import io
 from pathlib import Path
 
-from edgeflux.artifacts import atomic_write, read_json, write_json
+from edgeflux.artifacts import atomic_write, read_json
 from edgeflux.data import load_prepared, tensors
 from edgeflux.meanet.cloud import CloudClient
 from edgeflux.meanet.cost import CostModel, cost_params
@@ -28,10 +28,10 @@ from edgeflux.meanet.model import load_meanet
 from edgeflux.meanet.plot import plot_sweep
 from edgeflux.tracking import stage_run
 from pipeline.cloud import ModelServer
-from stages.common import run_stage, stage_parser
+from stages.common import run_stage, stage_parser, write_metrics
 
 EDGE, HARD, CLOUD = Path("models/meanet/edge.pt"), Path("models/meanet/hard_classes.json"), Path("models/meanet/cloud")
-METRICS, SWEEP_CSV, SWEEP_PNG = Path("metrics/evaluate_edge_cloud.json"), Path("plots/meanet_sweep.csv"), Path("plots/meanet_sweep.png")
+SWEEP_CSV, SWEEP_PNG = Path("plots/meanet_sweep.csv"), Path("plots/meanet_sweep.png")
 SERVER_LOG = Path(".edgeflux/logs/cloud_server.log")
 SWEEP_COLUMNS = ("threshold", "acc", "cloud_frac", "edge_energy_j", "latency_s", "fallbacks")
 
@@ -68,12 +68,13 @@ def main(args, params) -> None:
                    "cloud_latency_s": cloud["latency_s"], "edge_cloud_latency_s": both["latency_s"],
                    "round_trip_s": report["round_trip_s"], "upload_bytes": report["upload_bytes"],
                    "test_instances": len(y), "send": stats["send"]}
-        write_json(METRICS, {**metrics, "detail": report, "cost_model": cost_params(CostModel(**p.cost.model_dump())),
-                             "client": client_stats})
+        written = write_metrics("evaluate_edge_cloud", {
+            **metrics, "detail": report, "cost_model": cost_params(CostModel(**p.cost.model_dump())),
+            "client": client_stats}, run, names={k: k for k in (
+                "edge_acc", "edge_cloud_acc", "cloud_acc", "cloud_frac", "edge_cloud_latency_s", "edge_cloud_energy_j")})
         write_sweep_csv(SWEEP_CSV, report["sweep"])
         plot_sweep(report["sweep"], edge, cloud, mu, threshold, SWEEP_PNG)
-        run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
-        for path in (METRICS, SWEEP_CSV, SWEEP_PNG):
+        for path in (*written, SWEEP_CSV, SWEEP_PNG):
             run.log_artifact(path)
 
 

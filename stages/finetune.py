@@ -15,6 +15,7 @@ batch size; elastic: its tensor timings and every selection).
 """
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from edgeflux.artifacts import file_digest, load_model, model_fix, save_model, write_json
@@ -22,19 +23,27 @@ from edgeflux.config import ParamsError
 from edgeflux.data import PreparedDataError, load_prepared, tensors
 from edgeflux.data.incoming import add_incoming, load_incoming
 from edgeflux.elastic.plot import plot_selections
-from edgeflux.finetune import METHOD_NAMES, finetune
+from edgeflux.finetune import METHOD_HELP, finetune, parse_method
 from edgeflux.tracking import stage_run
 from edgeflux.train import resolve_device
-from stages.common import peak_rss_bytes, run_stage, stage_parser, write_history_csv
+from stages.common import peak_rss_bytes, run_stage, stage_parser, write_history_csv, write_metrics
 
 PRETRAINED = Path("models/pretrained")
 INCOMING = Path("data/incoming")   # new labelled samples (class folders tracked by DVC): trained on with the target split
 CHECKPOINTS = Path(".edgeflux/checkpoints/finetune")   # <method>.pt: an interrupted run resumes from its last epoch
 
 
+def _method(spec: str) -> str:
+    try:
+        parse_method(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return spec
+
+
 def parser():
     p = stage_parser(__doc__)
-    p.add_argument("--method", required=True, choices=METHOD_NAMES, help="the fine-tuning method to run")
+    p.add_argument("--method", required=True, type=_method, help=f"the fine-tuning method to run: {METHOD_HELP}")
     return p
 
 
@@ -54,24 +63,23 @@ def main(args, params) -> None:
     incoming = load_incoming(INCOMING, data)
     train = add_incoming(tensors(data, "target_train", limit=p.max_train_samples), incoming)
     outputs = {kind: Path(f"{kind}/finetune/{method}.{ext}")
-               for kind, ext in (("metrics", "json"), ("plots", "csv"), ("memory", "json"), ("models", "pt"))}
+               for kind, ext in (("plots", "csv"), ("memory", "json"), ("models", "pt"))}
     outputs["tensors"] = Path(f"plots/finetune/{method}_tensors.png")
     with stage_run(f"finetune@{method}", {**p.model_dump(), "method": method}) as run:
         result = finetune(model, method, p, train, tensors(data, "target_val"), tensors(data, "target_test"), device,
                           checkpoint=CHECKPOINTS / f"{method}.pt", start=file_digest(source))
         metrics = {"model": p.model, "device": str(device), **result.metrics(), "n_incoming": len(incoming),
                    "peak_rss_bytes": peak_rss_bytes()}
-        write_json(outputs["metrics"], metrics)
+        written = write_metrics(f"finetune/{method}", metrics, run)
         write_json(outputs["memory"], {**result.run.memory_report(), "method_info": result.info,
                                        **result.run.train.extra})
         write_history_csv(outputs["plots"], result.run.train.history)
         plot_selections(result.tensors, result.selections, outputs["tensors"], f"finetune {method}, {p.model}")
         save_model(outputs["models"], model, model.build_args, meta={"stage": "finetune", **metrics,
                                                                   "method_info": result.info})
-        run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
         run.log_history(result.run.train.history)
-        for kind in ("metrics", "memory", "plots", "tensors"):
-            run.log_artifact(outputs[kind])
+        for path in (*written, outputs["memory"], outputs["plots"], outputs["tensors"]):
+            run.log_artifact(path)
 
 
 if __name__ == "__main__":

@@ -30,11 +30,10 @@ from edgeflux.meanet.train import main_logits, train_main_block
 from edgeflux.models import count_params, eval_mode
 from edgeflux.tracking import save_model_dir, stage_run
 from edgeflux.train import resolve_device
-from stages.common import run_stage, stage_parser
+from stages.common import run_stage, stage_parser, write_metrics
 
 PRETRAINED = Path("models/pretrained")
 MAIN, HARD, CLOUD = Path("models/meanet/main.pt"), Path("models/meanet/hard_classes.json"), Path("models/meanet/cloud")
-METRICS = Path("metrics/meanet_cloud.json")
 CHECKPOINT = Path(".edgeflux/checkpoints/meanet_cloud.pt")
 
 
@@ -86,10 +85,11 @@ def main(args, params) -> None:
         write_json(HARD, {**hard.to_dict(), "mu_correct": mu_c, "mu_wrong": mu_w, "send": p.send,
                           "class_names": list(data.classes)}, checksum=True)
         save_model_dir(cloud.eval(), CLOUD, example.detach())
-        write_json(METRICS, metrics)
-        run.log_metrics({k2: v for k2, v in metrics.items() if isinstance(v, (int, float))})
-        run.log_model(cloud, "cloud_model", example=example.detach())
-        for path in (METRICS, HARD):
+        metrics["n_hard"] = len(hard.hard)
+        written = write_metrics("meanet_cloud", metrics, run, names={
+            k: k for k in ("main_val_acc", "main_params", "cloud_params", "n_hard")})
+        run.log_model(cloud, "cloud_model", example=example.detach(), registered_name="edgeflux-meanet-cloud")
+        for path in (*written, HARD):
             run.log_artifact(path)
 
 

@@ -24,10 +24,10 @@ from edgeflux.meanet.model import block_costs, load_meanet, save_meanet
 from edgeflux.meanet.train import joint_step_memory, train_edge
 from edgeflux.tracking import stage_run
 from edgeflux.train import resolve_device
-from stages.common import peak_rss_bytes, run_stage, stage_parser, write_history_csv
+from stages.common import peak_rss_bytes, run_stage, stage_parser, write_history_csv, write_metrics, TRAINING_HEADLINE
 
 MAIN, HARD, EDGE = Path("models/meanet/main.pt"), Path("models/meanet/hard_classes.json"), Path("models/meanet/edge.pt")
-METRICS, PLOT, MEMORY = Path("metrics/meanet_edge.json"), Path("plots/meanet_edge.csv"), Path("memory/meanet_edge.json")
+PLOT, MEMORY = Path("plots/meanet_edge.csv"), Path("memory/meanet_edge.json")
 CHECKPOINT = Path(".edgeflux/checkpoints/meanet_edge.pt")
 INCOMING = Path("data/incoming")   # new labelled samples (class folders tracked by DVC): trained on with the target split
 
@@ -55,13 +55,14 @@ def main(args, params) -> None:
                    "peak_vs_joint": edge_peak / joint_peak, "train_instances": int((hard.lookup()[train[1]] >= 0).sum()),
                    "n_incoming": len(incoming),
                    **block_costs(net, test[0][:1]), "peak_rss_bytes": peak_rss_bytes()}
-        write_json(METRICS, metrics)
+        written = write_metrics("meanet_edge", metrics, run, names={
+            **{k: v for k, v in TRAINING_HEADLINE.items() if k not in ("test_acc", "trainable_params")},
+            "hard_test_acc": "hard_test_acc", "trained_params": "trainable_params"})
         write_json(MEMORY, {**result.memory_report(), "joint_step_memory": joint.to_dict()})
         write_history_csv(PLOT, result.train.history)
         save_meanet(EDGE, net, meta={"stage": "meanet_edge", **metrics})
-        run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
         run.log_history(result.train.history)
-        for path in (METRICS, MEMORY, PLOT):
+        for path in (*written, MEMORY, PLOT):
             run.log_artifact(path)
 
 

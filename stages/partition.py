@@ -9,14 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edgeflux.artifacts import write_json
 from edgeflux.config import ParamsError
 from edgeflux.neuroflux.partition import partition, save_blocks
 from edgeflux.neuroflux.profile import load_profile
 from edgeflux.tracking import stage_run
-from stages.common import run_stage, stage_parser
+from stages.common import run_stage, stage_parser, write_metrics
 
-PROFILE, BLOCKS, METRICS = Path("profile/memory.json"), Path("partition/blocks.json"), Path("metrics/partition.json")
+PROFILE, BLOCKS = Path("profile/memory.json"), Path("partition/blocks.json")
 
 
 def main(args, params) -> None:
@@ -32,9 +31,11 @@ def main(args, params) -> None:
         metrics = {"blocks": len(blocks), "budget_bytes": p.budget,
                    "min_block_batch": min(b.batch_size for b in blocks),
                    "max_block_batch": max(b.batch_size for b in blocks)}
-        write_json(METRICS, metrics)
-        run.log_metrics(metrics)
-        run.log_artifact(BLOCKS)
+        written = write_metrics("partition", metrics, run, names={
+            "blocks": "blocks", "min_block_batch": "min_block_batch", "max_block_batch": "max_block_batch",
+            "budget_bytes": "budget_mib"})
+        for path in (BLOCKS, *written):
+            run.log_artifact(path)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,9 @@ from edgeflux.data import load_prepared, tensors
 from edgeflux.models import build_model
 from edgeflux.tracking import stage_run
 from edgeflux.train import resolve_device
-from stages.common import run_stage, stage_parser
+from stages.common import run_stage, stage_parser, headline, write_metrics
 
 OUT = Path("models/pretrained")
-METRICS = Path("metrics/pretrain.json")
 CHECKPOINTS = Path(".edgeflux/checkpoints/pretrain")
 
 
@@ -38,11 +37,13 @@ def main(args, params) -> None:
             summary[spec.key] = result.metrics()
             save_model(OUT / f"{spec.key}.pt", model, build_args, meta={"stage": "pretrain", **summary[spec.key]})
             run.log_metrics({f"{spec.key}.{k}": v for k, v in summary[spec.key].items()})
-        write_json(METRICS, summary)
+        written = write_metrics("pretrain", {}, run, head={key: headline(m) for key, m in summary.items()})
+        write_json(written[1], summary)   # details per model
         for stale in set(OUT.glob("*.pt")) - {OUT / f"{key}.pt" for key in summary}:
             stale.unlink()   # dvc.yaml persists this directory: a model no longer in params must not linger
         run.log_metrics({"peak_mem_bytes": max(m["peak_mem_bytes"] for m in summary.values())})
-        run.log_artifact(METRICS)
+        for path in written:
+            run.log_artifact(path)
 
 
 if __name__ == "__main__":

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edgeflux.artifacts import write_json
 from edgeflux.data import load_prepared, tensors
 from edgeflux.neuroflux.model import aux_args, build_learners
 from edgeflux.neuroflux.plots import plot_profile
 from edgeflux.neuroflux.profile import profile_units, profiling_seconds, save_profile
 from edgeflux.tracking import stage_run
 from edgeflux.train import optimizer_factory, resolve_device
-from stages.common import run_stage, stage_parser
+from stages.common import run_stage, stage_parser, write_metrics
 
-PROFILE, PLOT, METRICS = Path("profile/memory.json"), Path("profile/memory.png"), Path("metrics/profile.json")
+PROFILE, PLOT = Path("profile/memory.json"), Path("profile/memory.png")
 
 
 def main(args, params) -> None:
@@ -39,9 +38,9 @@ def main(args, params) -> None:
         metrics = {"model": p.model.key, "units": len(profiles), "profile_time_s": seconds,
                    "min_r2": min(u.r2 for u in profiles),
                    "peak_mem_bytes": max(max(u.peak_bytes) for u in profiles)}
-        write_json(METRICS, metrics)
-        run.log_metrics(metrics)
-        for path in (PROFILE, PLOT, METRICS):
+        written = write_metrics("profile", metrics, run, names={
+            "units": "units", "profile_time_s": "profile_time_s", "min_r2": "min_r2", "peak_mem_bytes": "peak_mib"})
+        for path in (PROFILE, PLOT, *written):
             run.log_artifact(path)
 
 

@@ -1,6 +1,8 @@
-"""Stage report: the summary table (reports/summary.md), the accuracy-vs-time plot of every stage and
-the memory plot (reports/memory.png: train_bp's measured peak by kind and saved activations per unit,
-NeuroFlux's measured peak per block against the budget).
+"""Stage report: every method side by side under one budget (reports/summary.md, reports/summary.json and
+reports/pareto.png: accuracy vs measured peak memory and vs training CPU time), the accuracy-vs-time
+curves of every training stage (reports/accuracy_vs_time.png) and the memory plot (reports/memory.png:
+train_bp's measured peak by kind and saved activations per unit, NeuroFlux's measured peak per block
+against the budget). Rows come from each stage's headline (metrics/) and details (details/) files.
 
 `python -m stages.report --show` prints the last summary without recomputing it (the Makefile's
 `run` target does this after `dvc repro`, which skips the stage when nothing changed).
@@ -11,18 +13,20 @@ import json
 import sys
 from pathlib import Path
 
-from edgeflux.report import markdown_table, memory_panels, plot_accuracy_vs_time, plot_bar_panels, summary_rows
-from stages.common import run_stage, stage_parser
+from edgeflux.report import memory_panels, plot_accuracy_vs_time, plot_bar_panels, time_to_target, read_curve
+from edgeflux.summary import method_rows, plot_pareto, rows_json, summary_markdown
+from stages.common import DETAILS_DIR, METRICS_DIR, run_stage, stage_parser
 
-SUMMARY, PLOT, MEMORY_PLOT = Path("reports/summary.md"), Path("reports/accuracy_vs_time.png"), Path("reports/memory.png")
-# What the report reads, each path once: the same files dvc.yaml lists as this stage's deps.
-METRICS = {"pretrain": Path("metrics/pretrain.json"), "train_bp": Path("metrics/train_bp.json"),
-           "train_blocks": Path("metrics/train_blocks.json"), "select_exit": Path("metrics/select_exit.json")}
-STAGE_CURVES = {"train_bp": Path("plots/train_bp.csv"), "train_blocks": Path("plots/train_blocks.csv")}
+REPORTS = Path("reports")
+SUMMARY, SUMMARY_JSON, PARETO = REPORTS / "summary.md", REPORTS / "summary.json", REPORTS / "pareto.png"
+PLOT, MEMORY_PLOT = REPORTS / "accuracy_vs_time.png", REPORTS / "memory.png"
+# What the report reads (dvc.yaml lists the same as this stage's deps): each stage's headline and details.
+STAGES = ("pretrain", "train_bp", "train_blocks", "select_exit", "meanet_cloud", "meanet_edge", "evaluate_edge_cloud")
+CURVES = {"train_bp": Path("plots/train_bp.csv"), "train_blocks": Path("plots/train_blocks.csv"),
+          "select_exit": Path("plots/train_blocks.csv"), "meanet_edge": Path("plots/meanet_edge.csv")}
+FINETUNE_CURVES = Path("plots/finetune")   # <method>.csv
 TRAIN_BP_MEMORY = Path("memory/train_bp.json")
-MEMORY_SOURCES = {"train_bp_memory": TRAIN_BP_MEMORY, "train_blocks": METRICS["train_blocks"]}
-CURVES = {"backprop (train_bp)": STAGE_CURVES["train_bp"], "NeuroFlux (train_blocks)": STAGE_CURVES["train_blocks"]}
-FINETUNE_METRICS, FINETUNE_CURVES = Path("metrics/finetune"), Path("plots/finetune")   # <method>.json / .csv
+BITTRAIN_SECTIONS = ("train_bp", "neuroflux", "finetune", "meanet")
 
 
 def read_existing(paths: dict[str, Path]) -> dict[str, dict]:
@@ -31,12 +35,18 @@ def read_existing(paths: dict[str, Path]) -> dict[str, dict]:
 
 
 def show() -> None:
-    from edgeflux.tracking import ui_command
+    from edgeflux.tracking import ui_command, ui_url
 
     if not SUMMARY.exists():
         sys.exit(f"error: {SUMMARY} does not exist yet; run `dvc repro` first")
     print(SUMMARY.read_text())  # plain markdown: readable in any terminal width, pastes into notes
-    print(f"Plots: {PLOT}, {MEMORY_PLOT}\nBrowse every run in MLflow:  {ui_command()}  (then open http://127.0.0.1:5000)")
+    print(f"Plots: {PARETO}, {PLOT}, {MEMORY_PLOT}\nBrowse every run in MLflow:  {ui_command()}  "
+          f"(then open {ui_url()})")
+
+
+def stage_files(methods: list[str]) -> list[str]:
+    """The stage names whose files the report reads: finetune runs as finetune/<method>."""
+    return [*STAGES, *(f"finetune/{m}" for m in methods)]
 
 
 def main(args, params) -> None:
@@ -44,24 +54,43 @@ def main(args, params) -> None:
         return show()
     from edgeflux.tracking import stage_run
 
+    target = params.report.target_acc
+    methods = params.finetune.methods if params.finetune else []   # the methods in params, not stale files
     with stage_run("report", params.report.model_dump()) as run:
-        metrics, curves, plotted = read_existing(METRICS), dict(STAGE_CURVES), dict(CURVES)
-        for method in params.finetune.methods if params.finetune else []:   # the methods in params, not stale files
-            metrics.setdefault("finetune", {}).update(read_existing({method: FINETUNE_METRICS / f"{method}.json"}))
-            curves[f"finetune {method}"] = plotted[f"fine-tune {method}"] = FINETUNE_CURVES / f"{method}.csv"
-        rows = summary_rows(metrics, curves, target_acc=params.report.target_acc)
-        SUMMARY.parent.mkdir(parents=True, exist_ok=True)
-        SUMMARY.write_text("# edgeflux pipeline summary\n\n" + markdown_table(rows)
-                           + f"\n'to target s': training time until validation accuracy first reached "
-                             f"{params.report.target_acc:.0%}. "
-                             "Peaks are measured: the allocator's peak over a steady-state training step "
-                             "(the CPU allocator's events on CPU, the CUDA allocator's counter on GPU).\n")
-        plot_accuracy_vs_time(plotted, PLOT, target_acc=params.report.target_acc)
-        if panels := memory_panels(**read_existing(MEMORY_SOURCES)):
+        names = stage_files(methods)
+        head = read_existing({n: METRICS_DIR / f"{n}.json" for n in names})
+        detail = read_existing({n: DETAILS_DIR / f"{n}.json" for n in names})
+        bittrain = {s: bool(getattr(params, s) and getattr(params, s).bittrain.enabled) for s in BITTRAIN_SECTIONS}
+        rows = method_rows(head, detail, bittrain, params.finetune.model if params.finetune else None)
+        curves = {**CURVES, **{f"finetune@{m}": FINETUNE_CURVES / f"{m}.csv" for m in methods}}
+        for row in rows:
+            if (curve := curves.get(row.stage)) is not None and curve.exists() and row.stage != "meanet_edge":
+                row.to_target_cpu_s = time_to_target(*read_curve(curve, x="cpu_s"), target)
+        budgets = {r.stage.split("@")[0]: r.budget_mib for r in rows if r.stage not in ("select_exit", "evaluate_edge_cloud")}
+        REPORTS.mkdir(parents=True, exist_ok=True)
+        SUMMARY.write_text(summary_markdown(rows, budgets, target) + _cloud_table(head.get("pretrain", {})))
+        SUMMARY_JSON.write_text(json.dumps({"budgets_mib": budgets, "rows": rows_json(rows)}, indent=2) + "\n")
+        shared = next(iter(set(budgets.values()))) if len(set(budgets.values())) == 1 else None
+        plot_pareto(rows, PARETO, shared)
+        plot_accuracy_vs_time({r.method: curves[r.stage] for r in rows if r.stage in curves
+                               and r.stage not in ("select_exit", "meanet_edge")}, PLOT, target_acc=target)
+        if panels := memory_panels(**read_existing({"train_bp_memory": TRAIN_BP_MEMORY,
+                                                    "train_blocks": DETAILS_DIR / "train_blocks.json"})):
             plot_bar_panels(panels, MEMORY_PLOT, title="edgeflux pipeline: measured training memory")
-        for path in (SUMMARY, PLOT, MEMORY_PLOT):
+        for path in (SUMMARY, SUMMARY_JSON, PARETO, PLOT, MEMORY_PLOT):
             if path.exists():
                 run.log_artifact(path)
+
+
+def _cloud_table(pretrain: dict[str, dict]) -> str:
+    """The cloud's pre-training (no budget, the source split): where the fine-tuned models come from."""
+    if not pretrain:
+        return ""
+    lines = ["", "## Cloud pre-training (no budget, source split)", "",
+             "| model | batch | measured peak MiB | train s (wall) | train CPU s | test acc |", "|---|---|---|---|---|---|"]
+    lines += [f"| {key} | {m.get('batch', '-')} | {m.get('peak_mib', '-')} | {m.get('train_time_s', 0):.1f} | "
+              f"{m.get('train_cpu_s', 0):.1f} | {m.get('test_acc', 0):.4f} |" for key, m in pretrain.items()]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

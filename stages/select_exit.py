@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edgeflux.artifacts import save_torch, write_json
+from edgeflux.artifacts import save_torch
 from edgeflux.data import load_prepared, tensors
 from edgeflux.models.units import count_params
 from edgeflux.neuroflux.aux import exit_params
@@ -20,10 +20,10 @@ from edgeflux.neuroflux.model import load_learners
 from edgeflux.neuroflux.plots import plot_exits
 from edgeflux.tracking import stage_run
 from edgeflux.train import evaluate
-from stages.common import run_stage, stage_parser
+from stages.common import run_stage, stage_parser, write_metrics
 
 MODEL, TRAINED = Path("models/neuroflux_exit.pt"), Path("models/neuroflux.pt")
-METRICS, PLOT = Path("metrics/select_exit.json"), Path("plots/exits.png")
+PLOT = Path("plots/exits.png")
 
 
 def main(args, params) -> None:
@@ -45,12 +45,12 @@ def main(args, params) -> None:
                    "full_throughput_img_s": throughput(full, sample_shape, p.throughput_batch)}
         metrics["compression"] = metrics["full_params"] / metrics["params"]
         metrics["speedup"] = metrics["throughput_img_s"] / metrics["full_throughput_img_s"]
-        write_json(METRICS, metrics)
+        written = write_metrics("select_exit", metrics, run, names={
+            k: k for k in ("test_acc", "params", "full_test_acc", "full_params", "compression", "speedup")})
         save_torch(MODEL, compact)
         plot_exits(meta["unit_names"], val_acc, test_acc, params_per_exit, k, PLOT)
-        run.log_metrics({k2: v for k2, v in metrics.items() if isinstance(v, (int, float))})
-        run.log_model(compact, "neuroflux_exit", example=test[0][:2])
-        for path in (METRICS, PLOT):
+        run.log_model(compact, "neuroflux_exit", example=test[0][:2], registered_name="edgeflux-neuroflux-exit")
+        for path in (*written, PLOT):
             run.log_artifact(path)
 
 

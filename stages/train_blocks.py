@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edgeflux.artifacts import write_json
 from edgeflux.data import load_prepared, tensors
 from edgeflux.neuroflux.aux import exit_params
 from edgeflux.neuroflux.model import aux_args, build_learners, save_learners
@@ -20,11 +19,11 @@ from edgeflux.neuroflux.profile import load_profile
 from edgeflux.neuroflux.worker import train_blocks
 from edgeflux.tracking import stage_run
 from edgeflux.train import resolve_device
-from stages.common import peak_rss_bytes, run_stage, stage_parser, write_history_csv
+from stages.common import peak_rss_bytes, run_stage, stage_parser, write_history_csv, write_metrics
 
 BLOCKS, PROFILE = Path("partition/blocks.json"), Path("profile/memory.json")
 CACHE, CHECKPOINTS = Path("cache/neuroflux"), Path(".edgeflux/checkpoints/neuroflux")
-MODEL, METRICS, PLOT = Path("models/neuroflux.pt"), Path("metrics/train_blocks.json"), Path("plots/train_blocks.csv")
+MODEL, PLOT = Path("models/neuroflux.pt"), Path("plots/train_blocks.csv")
 
 
 def main(args, params) -> None:
@@ -49,7 +48,7 @@ def main(args, params) -> None:
                    "batch_sizes": [b.batch_size for b in result.blocks],
                    "peak_mem_bytes": result.peak_bytes, "budget_bytes": p.budget,
                    "within_budget": all(b.peak_bytes <= p.budget for b in result.blocks) if p.budget else None,
-                   "train_time_s": result.train_time_s, "steps": sum(b.steps for b in result.blocks),
+                   "train_time_s": result.train_time_s, "train_cpu_s": result.train_cpu_s, "steps": sum(b.steps for b in result.blocks),
                    "cache_bytes": sum(b.cache_bytes for b in result.blocks),
                    "profile_time_s": profile_s, "profile_overhead": profile_s / max(result.train_time_s, 1e-9),
                    # the whole process on the host (torch, data, caches read): not what the budget bounds
@@ -57,24 +56,25 @@ def main(args, params) -> None:
                    # the names every stage shares (edgeflux.tracking): the full model's, and the batch of
                    # the block with the smallest one (each block trains at its own, in batch_sizes)
                    "batch_size": min(b.batch_size for b in result.blocks), "params": exit_params(learners, last),
+                   # every unit and every auxiliary head trains (the heads are dropped after)
+                   "trainable_params": sum(p.numel() for learner in learners for p in learner.parameters()),
                    "val_acc": result.unit_val_acc[last], "test_acc": result.unit_test_acc[last],
                    "best_val_acc": max(result.unit_val_acc), "unit_val_acc": result.unit_val_acc,
                    "unit_test_acc": result.unit_test_acc, "block_results": result.to_dict()["blocks"]}
-        write_json(METRICS, metrics)
-        write_history_csv(PLOT, [{k: r[k] for k in ("step", "epoch", "time_s", "train_loss", "val_acc")}
+        written = write_metrics("train_blocks", metrics, run)
+        write_history_csv(PLOT, [{k: r.get(k) for k in ("step", "epoch", "time_s", "cpu_s", "train_loss", "val_acc")}
                                  for r in result.history])
         save_learners(MODEL, learners, spec, aux, meta={"stage": "train_blocks", "blocks": [b.to_dict() for b in blocks],
                                                        "unit_names": model.unit_names,
                                                        "unit_val_acc": result.unit_val_acc,
                                                        "unit_test_acc": result.unit_test_acc})
-        run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
         run.log_metrics({f"block{i}.{name}": value for i, b in enumerate(result.blocks) for name, value in
                          (("batch_size", b.batch_size), ("peak_mem_bytes", b.peak_bytes), ("train_time_s", b.train_time_s))})
         # the curve is the best exit's so far (what NeuroFlux could output at that time); val_acc and
         # test_acc above are the full model's, so the curve gets names of its own
         run.log_history([{(f"best_exit_{k}" if k in ("val_acc", "test_acc") else k): v for k, v in row.items()}
                          for row in result.history])
-        for path in (METRICS, PLOT):
+        for path in (*written, PLOT):
             run.log_artifact(path)
 
 

@@ -16,9 +16,9 @@ from edgeflux.data import load_prepared, tensors
 from edgeflux.models import build_model
 from edgeflux.tracking import stage_run
 from edgeflux.train import resolve_device
-from stages.common import peak_rss_bytes, run_stage, stage_parser, write_history_csv
+from stages.common import peak_rss_bytes, run_stage, stage_parser, write_history_csv, write_metrics
 
-METRICS, PLOT, MEMORY = Path("metrics/train_bp.json"), Path("plots/train_bp.csv"), Path("memory/train_bp.json")
+PLOT, MEMORY = Path("plots/train_bp.csv"), Path("memory/train_bp.json")
 MODEL, CHECKPOINT = Path("models/train_bp.pt"), Path(".edgeflux/checkpoints/train_bp.pt")
 
 
@@ -36,13 +36,12 @@ def main(args, params) -> None:
         metrics = {"model": p.model.key, "device": str(device), **result.metrics(),
                    # the whole process on the host (torch, data): not what the budget bounds
                    "peak_rss_bytes": peak_rss_bytes()}
-        write_json(METRICS, metrics)
+        written = write_metrics("train_bp", metrics, run)
         write_json(MEMORY, result.memory_report())
         write_history_csv(PLOT, result.train.history)
         save_model(MODEL, model, build_args, meta={"stage": "train_bp", **metrics})
-        run.log_metrics(metrics)
         run.log_history(result.train.history)
-        for path in (METRICS, MEMORY, PLOT):
+        for path in (*written, MEMORY, PLOT):
             run.log_artifact(path)
 
 

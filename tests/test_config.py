@@ -20,7 +20,9 @@ def with_change(section, key, value):
 def test_repository_params_yaml_is_valid():
     params = load_params(REPO / "params.yaml")
     assert params.data.dataset == "fashion-mnist"
-    assert params.train_bp.budget == 24_000_000
+    # one budget for every method: the report compares them under it
+    assert params.train_bp.budget == params.neuroflux.budget == params.finetune.budget == params.meanet.budget
+    assert params.finetune.methods[-2:] == ["mobiletl-bittrain", "elastic-mobiletl"]
     assert [m.key for m in params.pretrain.models] == ["mobilenet_v2-w0.5", "resnet18-w0.25"]
 
 
@@ -143,8 +145,13 @@ def test_finetune_section_names_a_pretrained_model_and_known_methods():
                                           r"trains; allowed: resnet18-w0.25"):
         validate(raw)
     raw["finetune"].update(model="resnet18-w0.25", methods=["mobiletl", "ft_everything"])
-    with pytest.raises(ParamsError, match=r"finetune.methods.1 = 'ft_everything'.*'ft_all'.*'mobiletl'"):
+    with pytest.raises(ParamsError, match=r"finetune method 'ft_everything' is unknown: one of ft_all .*mobiletl"):
         validate(raw)
+    raw["finetune"]["methods"] = ["mobiletl-bitrain"]   # a misspelt composition
+    with pytest.raises(ParamsError, match=r"'mobiletl-bitrain' is unknown: .*optionally followed by -bittrain"):
+        validate(raw)
+    raw["finetune"]["methods"] = ["elastic-mobiletl-bittrain", "ft_all-bittrain"]
+    assert validate(raw).finetune.methods == raw["finetune"]["methods"]
     raw["finetune"]["methods"] = ["ft_all", "ft_all"]
     with pytest.raises(ParamsError, match="a method is listed twice"):
         validate(raw)
@@ -157,3 +164,4 @@ def test_meanet_edge_options_are_the_training_options_alone():
     assert "threshold" not in edge.model_dump() and "client" not in edge.model_dump()
     changed = load_params(REPO / "params.yaml").meanet.model_copy(update={"threshold": 0.3, "sweep": 7})
     assert changed.edge_options().model_dump() == edge.model_dump()   # the router's settings: same training run
+

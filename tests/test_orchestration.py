@@ -162,7 +162,7 @@ def test_killed_worker_mid_stage_then_rerun_resumes_from_cached_blocks(system):
     out = run_deployment(system, "device_flow/pi", {"stages": ["train_blocks"], "pull": False, "push": False,
                                                    "params": params})
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
-    blocks = json.loads((pi / "metrics/train_blocks.json").read_text())["block_results"]
+    blocks = json.loads((pi / "details/train_blocks.json").read_text())["block_results"]
     assert blocks[0]["skipped"], "block 0 was trained again instead of reused from the activation cache"
     assert blocks[1]["resumed_from_epoch"] >= 1 or blocks[1]["skipped"]
 

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow
 
 MEANET = ["meanet_cloud", "meanet_edge", "evaluate_edge_cloud"]
 NEUROFLUX = ["profile", "partition", "train_blocks", "select_exit"]
+FINETUNE = [f"finetune@{m}" for m in ("mobiletl", "ft_all", "elastic", "mobiletl-bittrain", "elastic-mobiletl")]
 
 
 def sh(cmd, cwd, check=True):
@@ -48,27 +49,34 @@ def project(tmp_path_factory):
 
 def test_repro_then_noop_then_exp_run(project):
     first = sh("dvc repro", project)
-    for stage in ("prepare", "pretrain", "train_bp", *NEUROFLUX, "finetune@mobiletl", "finetune@ft_all",
-                  "finetune@elastic", *MEANET, "report"):
+    for stage in ("prepare", "pretrain", "train_bp", *NEUROFLUX, *FINETUNE, *MEANET, "report"):
         assert f"Running stage '{stage}'" in first.stdout
-    metrics = json.loads((project / "metrics/train_bp.json").read_text())
+    metrics = json.loads((project / "details/train_bp.json").read_text())
     assert metrics["peak_mem_bytes"] <= metrics["budget_bytes"] == 3_000_000
     assert 1 <= metrics["batch_size"] <= 64 and metrics["test_acc"] > 0.2
+    assert 0 < metrics["train_time_s"] and 0 < metrics["train_cpu_s"]
+    # the headline: a few figures under the names every training stage shares, MiB for a person to read
+    head = json.loads((project / "metrics/train_bp.json").read_text())
+    assert head == {"test_acc": metrics["test_acc"], "train_time_s": metrics["train_time_s"],
+                    "train_cpu_s": metrics["train_cpu_s"], "peak_mib": round(metrics["peak_mem_bytes"] / 2**20, 1),
+                    "budget_mib": round(3_000_000 / 2**20, 1), "batch": metrics["batch_size"],
+                    "trainable_params": metrics["params"], "params": metrics["params"]}
     assert (project / "models/pretrained/vgg11-w0.125.pt").exists()
     curve = (project / "plots/train_bp.csv").read_text().splitlines()
-    assert curve[0] == "step,epoch,time_s,train_loss,val_acc" and len(curve) == 3
-    assert "| train_bp | target (device) | vgg11-w0.125 |" in (project / "reports/summary.md").read_text()
-    assert (project / "reports/accuracy_vs_time.png").stat().st_size > 10_000
-    assert (project / "reports/memory.png").stat().st_size > 10_000
+    assert curve[0] == "step,epoch,time_s,cpu_s,train_loss,val_acc" and len(curve) == 3
+    summary = (project / "reports/summary.md").read_text()
+    assert "| backprop | scratch | vgg11-w0.125 |" in summary and "different budgets" in summary
+    for image in ("accuracy_vs_time", "memory", "pareto"):
+        assert (project / f"reports/{image}.png").stat().st_size > 10_000
 
     # NeuroFlux: every block's measured step within the budget, caches as a DVC output, a compact exit
     blocks = json.loads((project / "partition/blocks.json").read_text())["blocks"]
-    trained = json.loads((project / "metrics/train_blocks.json").read_text())
+    trained = json.loads((project / "details/train_blocks.json").read_text())
     assert trained["within_budget"] and trained["peak_mem_bytes"] <= 2_000_000
     assert [u for b in trained["block_results"] for u in b["units"]] == list(range(9))   # vgg11: 8 convs + classifier
     assert len(trained["block_results"]) >= len(blocks)
     assert (project / "cache/neuroflux/block0/train/manifest.json").exists()
-    exit_metrics = json.loads((project / "metrics/select_exit.json").read_text())
+    exit_metrics = json.loads((project / "details/select_exit.json").read_text())
     assert exit_metrics["params"] <= exit_metrics["full_params"] and exit_metrics["test_acc"] > 0.2
     # under the metric names every stage shares: the full model's accuracy and parameters, the smallest block batch
     assert trained["test_acc"] == trained["unit_test_acc"][-1] and trained["params"] == exit_metrics["full_params"]
@@ -76,28 +84,37 @@ def test_repro_then_noop_then_exp_run(project):
     import torch
     compact = torch.load(project / "models/neuroflux_exit.pt", weights_only=False)
     assert compact(torch.zeros(2, 1, 32, 32)).shape == (2, 10)
-    assert "select_exit (NeuroFlux)" in (project / "reports/summary.md").read_text()
+    assert f"| NeuroFlux, exit {exit_metrics['exit_unit']} | scratch |" in summary
 
-    # fine-tuning: both methods within the budget, MobileTL at a batch at least FT-All's, one report row each
-    tuned = {m: json.loads((project / f"metrics/finetune/{m}.json").read_text())
-             for m in ("mobiletl", "ft_all", "elastic")}
+    # fine-tuning: every method within the budget, MobileTL at a batch at least FT-All's, one report row each
+    tuned = {m.split("@")[1]: json.loads((project / f"details/finetune/{m.split('@')[1]}.json").read_text())
+             for m in FINETUNE}
     assert all(t["peak_mem_bytes"] <= t["budget_bytes"] == 8_000_000 for t in tuned.values())
     assert tuned["mobiletl"]["batch_size"] >= tuned["ft_all"]["batch_size"]
     assert tuned["mobiletl"]["train_params"] < tuned["ft_all"]["train_params"] == tuned["ft_all"]["params"]
-    assert "| finetune mobiletl | target (device) | mobilenet_v2-w0.25 |" in (project / "reports/summary.md").read_text()
+    for label in ("MobileTL", "FT-All", "ElasticTrainer", "MobileTL + BitTrain", "ElasticTrainer on MobileTL"):
+        assert f"| {label} | pretrained mobilenet_v2-w0.25 | mobilenet_v2-w0.25 |" in summary
+    # the compositions: BitTrain stores MobileTL's saved activations in fewer bytes; elastic selects among
+    # MobileTL's top blocks only (its candidates are MobileTL's trainable tensors)
+    assert tuned["mobiletl-bittrain"]["saved_stored_bytes"] < tuned["mobiletl-bittrain"]["saved_dense_bytes"]
+    assert tuned["elastic-mobiletl"]["train_params"] == tuned["mobiletl"]["train_params"]
+    rows = {r["stage"]: r for r in json.loads((project / "reports/summary.json").read_text())["rows"]}
+    assert rows["finetune@mobiletl"]["peak_mib"] == round(tuned["mobiletl"]["peak_mem_bytes"] / 2**20, 1)
+    assert any(r["pareto"] for r in rows.values())
     # elastic: one selection (one epoch) of some of FT-All's tensors, its timings and masks in the memory file
     assert tuned["elastic"]["elastic_selections"] == 1 and 0 < tuned["elastic"]["elastic_selected_frac"] < 1
     elastic = json.loads((project / "memory/finetune/elastic.json").read_text())
     assert len(elastic["elastic"]["selections"][0]["mask"]) == len(elastic["elastic"]["names"])
     assert all((project / f"plots/finetune/{m}_tensors.png").stat().st_size > 5_000 for m in tuned)
+    assert "MEANet, edge + cloud" in summary
 
     # MEANet: 5 hard classes of 10, the edge's step within budget and below joint optimisation's, every test
     # instance answered through the real cloud server (started and stopped by the stage), nothing left running
     hard = json.loads((project / "models/meanet/hard_classes.json").read_text())
     assert len(hard["class_map"]) == 5 and sorted(hard["class_map"].values()) == list(range(5))
-    edge = json.loads((project / "metrics/meanet_edge.json").read_text())
+    edge = json.loads((project / "details/meanet_edge.json").read_text())
     assert edge["peak_mem_bytes"] <= edge["budget_bytes"] == 8_000_000 and edge["peak_vs_joint"] < 1
-    routed = json.loads((project / "metrics/evaluate_edge_cloud.json").read_text())
+    routed = json.loads((project / "details/evaluate_edge_cloud.json").read_text())
     assert routed["test_instances"] == 200 and routed["fallbacks"] == 0
     assert routed["detail"]["cloud_only"]["exit_cloud"] == 200 and routed["detail"]["at_threshold"]["answered"] == 200
     assert (project / "models/meanet/cloud/MLmodel").exists() and (project / "plots/meanet_sweep.png").exists()
@@ -115,7 +132,8 @@ def test_repro_then_noop_then_exp_run(project):
     assert not any(f"Running stage '{stage}'" in exp.stdout for stage in NEUROFLUX)
     shown = sh("dvc exp show --json", project).stdout
     assert '"lr": 0.01' in shown
-    with_bittrain = json.loads((project / "metrics/train_bp.json").read_text())
+    with_bittrain = json.loads((project / "details/train_bp.json").read_text())
+    assert "| backprop + BitTrain | scratch |" in (project / "reports/summary.md").read_text()
     assert with_bittrain["saved_stored_bytes"] < with_bittrain["saved_dense_bytes"]
     assert with_bittrain["peak_mem_bytes"] <= 3_000_000
 
@@ -128,8 +146,7 @@ def test_repro_then_noop_then_exp_run(project):
     first_children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") in parents]
     assert len(parents) == 2  # the first repro and the exp run
     assert sorted(r.data.tags["edgeflux.stage"] for r in first_children) == sorted(
-        ["prepare", "pretrain", "train_bp", *NEUROFLUX, "finetune@mobiletl", "finetune@ft_all", "finetune@elastic",
-         *MEANET, "report", "train_bp",
+        ["prepare", "pretrain", "train_bp", *NEUROFLUX, *FINETUNE, *MEANET, "report", "train_bp",
          "report"])
     bp = [r for r in first_children if r.data.tags["edgeflux.stage"] == "train_bp"]
     assert {r.data.params["lr"] for r in bp} == {"0.05", "0.01"}
@@ -173,8 +190,9 @@ def test_new_labelled_data_retrains_the_fine_tuning_stages_and_all_they_feed(pro
 def test_a_stage_that_stops_under_dvc_keeps_the_last_good_outputs(project):
     """DVC deletes a stage's outputs before running it unless they persist: a bad param, a misspelt section
     or a budget too small must stop the stage with its one line and leave every last good output in place."""
-    bp = ["metrics/train_bp.json", "memory/train_bp.json", "plots/train_bp.csv", "models/train_bp.pt"]
-    profile = ["profile/memory.json", "profile/memory.png", "metrics/profile.json"]
+    bp = ["metrics/train_bp.json", "details/train_bp.json", "memory/train_bp.json", "plots/train_bp.csv",
+          "models/train_bp.pt"]
+    profile = ["profile/memory.json", "profile/memory.png", "metrics/profile.json", "details/profile.json"]
     before = _bytes(project, bp + profile)
     good_params = (project / "params.yaml").read_text()
     try:
@@ -265,7 +283,8 @@ def test_stage_graph_is_read_from_dvc_yaml():
                      "finetune": {"prepare", "pretrain"}, "meanet_cloud": {"prepare", "pretrain"},
                      "meanet_edge": {"prepare", "meanet_cloud"},
                      "evaluate_edge_cloud": {"prepare", "meanet_cloud", "meanet_edge"},
-                     "report": {"pretrain", "train_bp", "train_blocks", "select_exit", "finetune"}}
+                     "report": {"pretrain", "train_bp", "profile", "partition", "train_blocks", "select_exit",
+                                "finetune", "meanet_cloud", "meanet_edge", "evaluate_edge_cloud"}}
     assert stages_for("select_exit", graph) == ["prepare", "profile", "partition", "train_blocks", "select_exit"]
     assert stages_for("train_bp", graph) == ["prepare", "train_bp"]
     assert stages_for(None, graph)[-1] == "report"
@@ -315,6 +334,14 @@ def _library_closure(files: set[str]) -> set[str]:
         if paths[name] not in PLUMBING | {"edgeflux/config.py"}:
             todo += edges.get(name, ())
     return files | {paths[n] for n in seen}
+
+
+def test_a_finetune_stage_depends_on_every_finetune_param_but_the_method_list():
+    """Each finetune@<method> stage tracks the finetune section key by key, all but `methods`: adding a method
+    to the list must not retrain the others, and an option left out would not retrain them when it changes."""
+    stage = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]["finetune"]
+    section = yaml.safe_load((REPO / "params.yaml").read_text())["finetune"]
+    assert stage["params"] == [f"finetune.{key}" for key in section if key != "methods"]
 
 
 def test_every_stage_depends_on_the_code_it_runs():

@@ -76,6 +76,7 @@ class BlockResult:
     unit_val_acc: list[float]   # each unit's exit on the validation split (eval mode)
     unit_test_acc: list[float]
     cache_bytes: int = 0        # on disk, all splits
+    cpu_s: float = 0.0          # the process's CPU time over the spans of the three times above
     skipped: bool = False       # reused from an earlier run
     resumed_from_epoch: int = 0
     rebuilt_caches: list[str] = field(default_factory=list)
@@ -96,13 +97,18 @@ class NeuroFluxRun:
         return sum(b.train_time_s + b.cache_time_s + b.measure_time_s for b in self.blocks)
 
     @property
+    def train_cpu_s(self) -> float:
+        """The process's CPU time over the same spans as train_time_s."""
+        return sum(b.cpu_s for b in self.blocks)
+
+    @property
     def peak_bytes(self) -> int:
         return max((b.peak_bytes for b in self.blocks), default=0)
 
     def to_dict(self) -> dict:
         return {"blocks": [asdict(b) for b in self.blocks], "history": self.history,
                 "unit_val_acc": self.unit_val_acc, "unit_test_acc": self.unit_test_acc, "complete": self.complete,
-                "train_time_s": self.train_time_s, "peak_bytes": self.peak_bytes}
+                "train_time_s": self.train_time_s, "train_cpu_s": self.train_cpu_s, "peak_bytes": self.peak_bytes}
 
 
 # ----------------------------------------------------------------------------- the controller
@@ -179,7 +185,7 @@ def train_blocks(learners: Sequence[LocalLearner], blocks: Sequence[Block],
             try:
                 result = _train_block(block, block_learners, sources, opts, budget_bytes, prefix, context, device,
                                       files, block_sig, checkpoint_dir / f"block{block.index}.pt", cache, use_cache,
-                                      run.train_time_s, sum(b.steps for b in run.blocks), run.unit_val_acc,
+                                      (sum(b.steps for b in run.blocks), run.train_time_s, run.train_cpu_s), run.unit_val_acc,
                                       run.unit_test_acc, on_epoch_end, desc, split_rho)
             except (BudgetTooSmallError, _BlockTooBig) as exc:
                 pending.extendleft(reversed(_split(block, exc)))
@@ -222,7 +228,7 @@ def _record(run: NeuroFluxRun, block: Block, result: BlockResult) -> None:
     run.history.extend(result.history)
     best = max(range(len(run.unit_val_acc)), key=run.unit_val_acc.__getitem__)
     run.history.append({"step": sum(b.steps for b in run.blocks), "block": block.index, "epoch": float(result.epochs),
-                        "time_s": run.train_time_s,
+                        "time_s": run.train_time_s, "cpu_s": run.train_cpu_s,
                         "train_loss": result.history[-1]["train_loss"] if result.history else 0.0,
                         "val_acc": run.unit_val_acc[best], "test_acc": run.unit_test_acc[best]})
 
@@ -300,12 +306,12 @@ def _reuse_block(files: _BlockFiles, block_sig: str, block_learners: Sequence[Lo
 def _train_block(block: Block, block_learners: Sequence[LocalLearner], sources: dict, opts: TrainOptions,
                  budget_bytes: int | None, prefix: nn.Module | None, context: StepContext, device: torch.device,
                  files: _BlockFiles, block_sig: str, checkpoint: Path, cache: CacheOptions, use_cache: bool,
-                 elapsed_before: float, steps_before: int, unit_val: list[float],
+                 before: tuple[int, float, float], unit_val: list[float],
                  unit_test: list[float], on_epoch_end, desc: str, split_rho: float | None) -> BlockResult:
-    tick = time.perf_counter()
+    tick, cpu_tick = time.perf_counter(), time.process_time()
     batch, memory = fit_block_batch(block_learners, opts, sources["train"], block.batch_size, budget_bytes, prefix,
                                     context, device)
-    measure_time = time.perf_counter() - tick
+    measure_time, measure_cpu = time.perf_counter() - tick, time.process_time() - cpu_tick
     if split_rho is not None and len(block.units) > 1 and batch < (1 - split_rho) * block.batch_size:
         raise _BlockTooBig(f"its measured step fits batch {batch} only, more than rho={split_rho:g} below the "
                            f"planned {block.batch_size}")
@@ -317,16 +323,18 @@ def _train_block(block: Block, block_learners: Sequence[LocalLearner], sources: 
     step = BlockStep.factory(optimizer_factory(opts.model_copy(update={"lr": lr})), context)(
         LocalBlock(block_learners, prefix))
     train = _block_loop(block, step, sources, opts, batch, device, checkpoint, run_signature(block=block_sig, batch=batch),
-                        (steps_before, elapsed_before + measure_time), unit_val, unit_test, on_epoch_end, desc)
+                        (before[0], before[1] + measure_time, before[2] + measure_cpu), unit_val,
+                        unit_test, on_epoch_end, desc)
 
     # The block is trained: cache its outputs (use_cache) and score every unit's exit on the way.
-    tick = time.perf_counter()
+    tick, cpu_tick = time.perf_counter(), time.process_time()
     accs = _cache_outputs(block_learners, sources, batch, device, prefix, files, block_sig, cache, use_cache)
-    cache_time = time.perf_counter() - tick
+    cache_time, cache_cpu = time.perf_counter() - tick, time.process_time() - cpu_tick
     result = BlockResult(
         index=block.index, units=list(block.units), planned_batch=block.batch_size, batch_size=batch,
         peak_bytes=memory.peak_bytes, budget_bytes=budget_bytes, epochs=opts.epochs, steps=train.steps,
         train_time_s=train.train_time_s, cache_time_s=cache_time, measure_time_s=measure_time,
+        cpu_s=measure_cpu + train.train_cpu_s + cache_cpu,
         unit_val_acc=accs["val"], unit_test_acc=accs["test"],
         cache_bytes=sum(ActivationCache.open(files.cache(s)).nbytes for s in SPLITS) if use_cache else 0,
         resumed_from_epoch=train.resumed_from_epoch, history=train.history)
@@ -339,7 +347,7 @@ def _train_block(block: Block, block_learners: Sequence[LocalLearner], sources: 
 
 
 def _block_loop(block: Block, step: BlockStep, sources: dict, opts: TrainOptions, batch: int, device: torch.device,
-                checkpoint: Path, signature: str, offset: tuple[int, float], unit_val: list[float],
+                checkpoint: Path, signature: str, offset: tuple[int, float, float], unit_val: list[float],
                 unit_test: list[float], on_epoch_end, desc: str) -> TrainResult:
     """The block's epochs through the one training loop. Batches are ordered by (seed, block, epoch) and the
     global RNG (dropout, if a model has any) is seeded per block and restored on resume, so a resumed block

@@ -1,0 +1,189 @@
+"""Every method side by side: one row per trained method from the stages' headline metrics, which of
+them are Pareto-optimal in accuracy vs measured peak memory, and the plot (the papers' Figure 5 style).
+
+The report stage hands over what the stages wrote (``metrics/<stage>.json``, the headline, and
+``details/<stage>.json``), keyed by stage name, plus the BitTrain switches from params (a row says
+"+ BitTrain" when its stage ran with it). A stage that has not run gives no row. Which figure is
+which:
+
+* test accuracy: on the target split's test set (MEANet's: the first ``meanet.max_test_samples`` of it,
+  every class, routed by the edge and, for "edge + cloud", the cloud);
+* measured peak: the allocator's peak over one steady-state training step, the figure the budget
+  holds (for NeuroFlux the largest block's; the whole process's RSS is in the details files);
+* training time: wall clock and the process's CPU time (every thread) over the same spans. Wall time
+  stretches when the machine is loaded; comparisons use CPU time.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from edgeflux.finetune import parse_method
+
+METHOD_LABELS = {"ft_all": "FT-All", "ft_last": "FT-Last", "ft_bn": "FT-BN", "ft_bn_bias": "FT-BN+Bias",
+                 "ft_bias": "FT-Bias (TinyTL-B)", "ft_blocks": "FT-Blocks", "mobiletl": "MobileTL",
+                 "elastic": "ElasticTrainer"}
+
+
+@dataclass
+class MethodRow:
+    method: str
+    stage: str                      # where its figures come from
+    starts_from: str                # scratch | a pretrained model
+    model: str
+    budget_mib: float | None
+    batch: str
+    peak_mib: float | None
+    trainable_params: int | None
+    params: int | None
+    train_s: float | None           # wall clock
+    cpu_s: float | None             # the process's CPU time
+    test_acc: float
+    to_target_cpu_s: float | None = None   # CPU time until validation accuracy first reached the report's target
+    pareto: bool = False            # no other row is at least as accurate with a smaller or equal peak
+
+
+def finetune_label(spec: str, bittrain: bool = False) -> str:
+    """'elastic-mobiletl' -> 'ElasticTrainer on MobileTL'; '-bittrain' (or bittrain on for every method) adds
+    '+ BitTrain'."""
+    method, base, on = parse_method(spec)
+    label = METHOD_LABELS[method] + (f" on {METHOD_LABELS[base]}" if base else "")
+    return label + (" + BitTrain" if on or bittrain else "")
+
+
+def _training_row(method: str, stage: str, starts_from: str, model: str, head: Mapping, **override) -> MethodRow:
+    row = MethodRow(method=method, stage=stage, starts_from=starts_from, model=model,
+                    budget_mib=head.get("budget_mib"), batch=str(head.get("batch", "-")), peak_mib=head.get("peak_mib"),
+                    trainable_params=head.get("trainable_params"), params=head.get("params"),
+                    train_s=head.get("train_time_s"), cpu_s=head.get("train_cpu_s"), test_acc=head.get("test_acc", 0.0))
+    for key, value in override.items():
+        setattr(row, key, value)
+    return row
+
+
+def method_rows(head: Mapping[str, Mapping], detail: Mapping[str, Mapping], bittrain: Mapping[str, bool],
+                finetune_model: str | None = None) -> list[MethodRow]:
+    """One row per method that has run. head/detail: stage -> its metrics/details JSON ("finetune/<spec>"
+    for each fine-tuning run); bittrain: params section -> whether BitTrain was on in it."""
+    plus = {k: " + BitTrain" if on else "" for k, on in bittrain.items()}
+    rows = []
+    if "train_bp" in head:
+        rows.append(_training_row("backprop" + plus.get("train_bp", ""), "train_bp", "scratch",
+                                  detail["train_bp"]["model"], head["train_bp"]))
+    if "train_blocks" in head:
+        d, flux = detail["train_blocks"], head["train_blocks"]
+        batches = "/".join(map(str, d["batch_sizes"]))
+        rows.append(_training_row("NeuroFlux, full model" + plus.get("neuroflux", ""), "train_blocks", "scratch",
+                                  d["model"], flux, batch=batches))
+        if "select_exit" in head:
+            exit_ = detail["select_exit"]
+            rows.append(_training_row(f"NeuroFlux, exit {exit_['exit_unit']}" + plus.get("neuroflux", ""),
+                                      "select_exit", "scratch", d["model"], flux, batch=batches,
+                                      params=exit_["params"], test_acc=exit_["test_acc"]))
+    for key in [k for k in head if k.startswith("finetune/")]:   # in finetune.methods' order
+        spec = key.split("/", 1)[1]
+        rows.append(_training_row(finetune_label(spec, bittrain.get("finetune", False)), f"finetune@{spec}",
+                                  f"pretrained {finetune_model}", detail[key]["model"], head[key]))
+    rows += _meanet_rows(head, detail, plus.get("meanet", ""))
+    return mark_pareto(rows)
+
+
+def _meanet_rows(head: Mapping[str, Mapping], detail: Mapping[str, Mapping], plus: str) -> list[MethodRow]:
+    """MEANet's edge training (the main block fixed) with the accuracies of evaluate_edge_cloud: every
+    class, the edge alone and the edge with the cloud for what it routes there."""
+    if "meanet_edge" not in head or "evaluate_edge_cloud" not in head:
+        return []
+    main = detail.get("meanet_cloud", {}).get("main", "?")
+    cloud, edge = head["evaluate_edge_cloud"], head["meanet_edge"]
+    starts = f"pretrained {main} (main block, fixed)"
+    return [_training_row("MEANet, edge only" + plus, "meanet_edge", starts, main, edge, test_acc=cloud["edge_acc"]),
+            _training_row(f"MEANet, edge + cloud ({cloud['cloud_frac']:.0%} sent)" + plus, "evaluate_edge_cloud",
+                          starts, main, edge, test_acc=cloud["edge_cloud_acc"])]
+
+
+def mark_pareto(rows: list[MethodRow]) -> list[MethodRow]:
+    """Set `pareto` on the rows that no other row dominates (accuracy at least as high and peak at most as
+    high, one of them strictly). Rows without a measured peak are never on the front."""
+    measured = [r for r in rows if r.peak_mib is not None]
+    for r in measured:
+        r.pareto = not any(o.test_acc >= r.test_acc and o.peak_mib <= r.peak_mib
+                           and (o.test_acc > r.test_acc or o.peak_mib < r.peak_mib) for o in measured)
+    return rows
+
+
+COLUMNS = ["method", "starts from", "model", "batch", "measured peak MiB", "trainable / total params",
+           "train s (wall)", "train CPU s", "CPU s to target", "test acc", "Pareto"]
+
+
+def _cells(r: MethodRow) -> list[str]:
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+    params = f"{num(r.trainable_params, ',')} / {num(r.params, ',')}"
+    return [r.method, r.starts_from, r.model, r.batch, num(r.peak_mib, ".1f"), params, num(r.train_s, ".1f"),
+            num(r.cpu_s, ".1f"), num(r.to_target_cpu_s, ".1f"), f"{r.test_acc:.4f}", "yes" if r.pareto else ""]
+
+
+def summary_markdown(rows: list[MethodRow], budgets: Mapping[str, float | None], target_acc: float) -> str:
+    """The summary page: the shared budget (or which sections differ), the table, how to read it."""
+    values = {v for v in budgets.values()}
+    if len(values) == 1:
+        (budget,) = values
+        head = f"Every method under the same budget: **{_mib(budget)}** for its measured training step."
+    else:
+        head = ("**The methods ran under different budgets** (" + ", ".join(f"{k}: {_mib(v)}" for k, v in budgets.items())
+                + "): the rows do not compare under one budget. `edgeflux run --budget 64MB` sets one for all.")
+    lines = ["# edgeflux: every method side by side", "", head, "",
+             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
+    lines += ["", "Test accuracy is on the target split's test set (MEANet: its first `meanet.max_test_samples`, "
+              "every class). The measured peak is the allocator's over one steady-state training step, what the "
+              "budget holds (NeuroFlux: its largest block's); NeuroFlux's exit row trained as the full model and "
+              "keeps only the units up to the exit. Train CPU s is the process's CPU time over the training "
+              "(every thread), beside the wall clock: on a loaded machine the wall clock stretches, so the plots "
+              "and the Pareto front use CPU time and measured peak. Pareto: no other method is at least as "
+              "accurate with a peak at most as large. MEANet's cloud model and its traffic are not counted in "
+              f"the edge's memory. CPU s to target: until validation accuracy first reached {target_acc:.0%}."]
+    return "\n".join(lines) + "\n"
+
+
+def _mib(value: float | None) -> str:
+    return "none" if value is None else f"{value:.1f} MiB"
+
+
+def plot_pareto(rows: list[MethodRow], out: Path, budget_mib: float | None = None) -> None:
+    """Test accuracy vs measured peak memory (the Pareto front drawn) and vs training CPU time."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    measured = [r for r in rows if r.peak_mib is not None]
+    fig, (mem_ax, cpu_ax) = plt.subplots(1, 2, figsize=(12, 5), sharey=True)
+    colours = plt.get_cmap("tab10")
+    for i, r in enumerate(measured):   # ten colours, then the next marker shape; a thick edge marks the front
+        style = dict(color=colours(i % 10), marker="osD"[i // 10 % 3], s=110 if r.pareto else 60, edgecolor="black",
+                     linewidth=2 if r.pareto else 0.5)
+        mem_ax.scatter(r.peak_mib, r.test_acc, label=r.method, **style)
+        if r.cpu_s is not None:
+            cpu_ax.scatter(r.cpu_s, r.test_acc, **style)
+    front = sorted((r for r in measured if r.pareto), key=lambda r: r.peak_mib)
+    if front:
+        mem_ax.step([r.peak_mib for r in front], [r.test_acc for r in front], where="post", color="grey",
+                    linewidth=1, label="Pareto front")
+    if budget_mib is not None:
+        mem_ax.axvline(budget_mib, color="red", linestyle="--", linewidth=1, label=f"budget {budget_mib:.1f} MiB")
+    mem_ax.set(xlabel="measured peak of the training step (MiB)", ylabel="test accuracy",
+               title="Accuracy vs measured training memory")
+    cpu_ax.set(xlabel="training CPU time (s, every thread)", title="Accuracy vs training CPU time")
+    for ax in (mem_ax, cpu_ax):
+        ax.grid(alpha=0.3)
+    fig.legend(loc="lower center", ncol=3, fontsize=8, frameon=False, title="thick edge: on the Pareto front",
+               title_fontsize=8)
+    fig.tight_layout(rect=(0, 0.035 * ((len(measured) + 7) // 3), 1, 1))   # room for the legend's rows below
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def rows_json(rows: list[MethodRow]) -> list[dict]:
+    return [asdict(r) for r in rows]
