@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 import edgeflux.config  # noqa: F401  loaded: the CLI then validates params here instead of in a child process
-from edgeflux import cli
+from pipeline import cli
 from edgeflux.presets import set_params
 from pipeline.sandbox import GIT_IDENTITY, git_env, sh
 
@@ -145,7 +145,7 @@ def test_bad_input_is_one_line_naming_what_is_allowed_and_runs_nothing(project, 
 def test_run_writes_params_keeping_comments_runs_the_stage_with_the_preset_env(dvc_project):
     path = dvc_project / "params.yaml"
     before = path.read_text()
-    cmd = [PYTHON, "-m", "edgeflux.cli", "run", "--preset", "pi4", "--set", "report.target_acc=0.7", "target"]
+    cmd = [PYTHON, "-m", "pipeline.cli", "run", "--preset", "pi4", "--set", "report.target_acc=0.7", "target"]
     bad = subprocess.run(cmd[:-3] + ["--set", "report.target_acc=2"], check=False, capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1   # the child process's check, one line
     assert "params.yaml + overrides: report.target_acc = 2: Input should be less than or equal to 1" in bad.stderr
@@ -323,9 +323,9 @@ def test_report_prints_the_summary_and_opens_it_or_says_why_not(tmp_path, monkey
 
 def test_worker_and_serve_cloud_pass_their_arguments_to_the_wrapped_commands(tmp_path):
     env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api"}
-    worker = subprocess.run([PYTHON, "-m", "edgeflux.cli", "worker", "--pool", "pi", "--clone", str(tmp_path)],
+    worker = subprocess.run([PYTHON, "-m", "pipeline.cli", "worker", "--pool", "pi", "--clone", str(tmp_path)],
                             check=False, capture_output=True, text=True, env=env)
     assert worker.returncode == 1 and f"{tmp_path} is not an edgeflux clone (no dvc.yaml)" in worker.stderr
-    cloud = subprocess.run([PYTHON, "-m", "edgeflux.cli", "serve-cloud", "--model", str(tmp_path / "none"),
+    cloud = subprocess.run([PYTHON, "-m", "pipeline.cli", "serve-cloud", "--model", str(tmp_path / "none"),
                             "--port", "0"], check=False, capture_output=True, text=True)
     assert cloud.returncode == 1 and f"no MLflow model at {tmp_path / 'none'}" in cloud.stderr
