@@ -243,12 +243,22 @@ class StageRun:
         runs, one per pipeline run, show and compare them in MLflow's table, charts and compare view.
         Non-numeric values are left out."""
         values = {metric_name(k): v for k, v in _numeric(metrics).items()}
-        if not values:
-            return
-        mlflow.log_metrics(values)
-        if self.parent_id:
+        if values:
+            mlflow.log_metrics(values)
+            self._log_to_parent(self.stage, values)
+
+    def log_pipeline_headline(self, by_stage: Mapping[str, Mapping[str, Any]]) -> None:
+        """Every stage's headline, {stage: its metrics}, to the pipeline's parent run as ``<stage>.<name>``
+        (the stage run itself gets none). The report stage, which reads them all after any change, calls it:
+        a ``dvc repro`` that reran some stages then still carries the whole pipeline's figures, which the
+        stages it did not rerun (up to date, from an earlier run) never logged to this parent."""
+        for stage, metrics in by_stage.items():
+            self._log_to_parent(stage, {metric_name(k): v for k, v in _numeric(metrics).items()})
+
+    def _log_to_parent(self, stage: str, values: Mapping[str, float]) -> None:
+        if self.parent_id and values:
             client = self._client or MlflowClient()
-            now, prefix = int(time.time() * 1000), metric_name(self.stage)
+            now, prefix = int(time.time() * 1000), metric_name(stage)
             client.log_batch(self.parent_id, metrics=[Metric(f"{prefix}.{k}", v, now, 0) for k, v in values.items()])
 
     def log_history(self, history: list[Mapping[str, float]], step_key: str = "step") -> None:

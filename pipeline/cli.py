@@ -735,14 +735,18 @@ def add_run(sub) -> None:
     p.set_defaults(func=cmd_run)
 
 
+def _tracking_uri_flag(p) -> None:
+    p.add_argument("--tracking-uri", metavar="URI", help="the MLflow store or server, e.g. http://cloud:5000 "
+                   "(default: $MLFLOW_TRACKING_URI, else sqlite mlflow.db at the project root)")
+
+
 def add_status(sub) -> None:
     p = sub.add_parser("status", help="which stages are up to date, stale (and why) or running",
                        description=_wrap("Each stage of dvc.yaml: up to date (cached), stale with what changed "
                                    "(dvc status), or running (a RUNNING stage run in MLflow); and the last "
                                    "pipeline run in MLflow."), epilog=STATUS_EXAMPLES, formatter_class=RAW)
     p.add_argument("--json", action="store_true", help="print the data as JSON, for scripts")
-    p.add_argument("--tracking-uri", metavar="URI", help="the MLflow store or server (default: $MLFLOW_TRACKING_URI, "
-                   "else sqlite mlflow.db at the project root)")
+    _tracking_uri_flag(p)
     p.set_defaults(func=cmd_status)
 
 
@@ -761,8 +765,7 @@ def add_compare(sub) -> None:
                    help="where the comparison plot goes (default: %(default)s)")
     p.add_argument("--no-plot", action="store_true", help="write no plot")
     p.add_argument("--json", action="store_true", help="print the data as JSON, for scripts")
-    p.add_argument("--tracking-uri", metavar="URI", help="the MLflow store or server, e.g. http://cloud:5000 "
-                   "(default: $MLFLOW_TRACKING_URI, else sqlite mlflow.db at the project root)")
+    _tracking_uri_flag(p)
     p.set_defaults(func=cmd_compare)
 
 

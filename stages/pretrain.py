@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edgeflux.artifacts import save_model, write_json
+from edgeflux.artifacts import save_model
 from edgeflux.backprop import train_under_budget
 from edgeflux.config import MemoryOptions
 from edgeflux.data import load_prepared, tensors
 from edgeflux.models import build_model
 from edgeflux.tracking import stage_run
 from edgeflux.train import resolve_device
-from stages.common import run_stage, stage_parser, headline, write_metrics
+from stages.common import headline, run_stage, stage_parser, write_metrics
 
 OUT = Path("models/pretrained")
 CHECKPOINTS = Path(".edgeflux/checkpoints/pretrain")
@@ -37,8 +37,7 @@ def main(args, params) -> None:
             summary[spec.key] = result.metrics()
             save_model(OUT / f"{spec.key}.pt", model, build_args, meta={"stage": "pretrain", **summary[spec.key]})
             run.log_metrics({f"{spec.key}.{k}": v for k, v in summary[spec.key].items()})
-        written = write_metrics("pretrain", {}, run, head={key: headline(m) for key, m in summary.items()})
-        write_json(written[1], summary)   # details per model
+        written = write_metrics("pretrain", summary, run, head={key: headline(m) for key, m in summary.items()})
         for stale in set(OUT.glob("*.pt")) - {OUT / f"{key}.pt" for key in summary}:
             stale.unlink()   # dvc.yaml persists this directory: a model no longer in params must not linger
         run.log_metrics({"peak_mem_bytes": max(m["peak_mem_bytes"] for m in summary.values())})

@@ -60,6 +60,8 @@ def main(args, params) -> None:
         names = stage_files(methods)
         head = read_existing({n: METRICS_DIR / f"{n}.json" for n in names})
         detail = read_existing({n: DETAILS_DIR / f"{n}.json" for n in names})
+        # the parent run of this pipeline run gets every stage's headline, whichever stages reran
+        run.log_pipeline_headline({name.replace("/", "@", 1): figures for name, figures in head.items()})
         bittrain = {s: bool(getattr(params, s) and getattr(params, s).bittrain.enabled) for s in BITTRAIN_SECTIONS}
         rows = method_rows(head, detail, bittrain, params.finetune.model if params.finetune else None)
         curves = {**CURVES, **{f"finetune@{m}": FINETUNE_CURVES / f"{m}.csv" for m in methods}}

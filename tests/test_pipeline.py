@@ -145,6 +145,11 @@ def test_repro_then_noop_then_exp_run(project):
     parents = {r.info.run_id for r in runs if r.data.tags["edgeflux.kind"] == "pipeline"}
     first_children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") in parents]
     assert len(parents) == 2  # the first repro and the exp run
+    # the exp run reran train_bp and report only; its parent still has every stage's headline (from the report)
+    exp_parent, = [r for r in runs if r.info.run_id in parents and r.data.metrics.get("train_bp.test_acc")
+                   == with_bittrain["test_acc"]]
+    assert exp_parent.data.metrics["finetune.mobiletl.test_acc"] == tuned["mobiletl"]["test_acc"]
+    assert exp_parent.data.metrics["evaluate_edge_cloud.edge_acc"] == routed["edge_acc"]
     assert sorted(r.data.tags["edgeflux.stage"] for r in first_children) == sorted(
         ["prepare", "pretrain", "train_bp", *NEUROFLUX, *FINETUNE, *MEANET, "report", "train_bp",
          "report"])

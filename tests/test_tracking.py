@@ -266,6 +266,21 @@ def test_headline_metrics_go_to_the_stage_run_and_to_the_parent_as_stage_dot_met
     assert client.get_run(pre_id).data.metrics["mobilenet_v2-w0.5.test_acc"] == 0.7
 
 
+def test_the_report_gives_its_parent_every_stage_headline_whichever_stages_reran(monkeypatch):
+    """A repro that reran only the report: its parent run still carries every stage's figures."""
+    monkeypatch.setenv("EDGEFLUX_PIPELINE_ID", "report-only")
+    with stage_run("report") as run:
+        run.log_pipeline_headline({"train_bp": {"test_acc": 0.9, "model": "vgg11"},
+                                   "finetune@mobiletl": {"peak_mib": 21.0},
+                                   "pretrain": {"resnet18": {"test_acc": 0.75}}})
+        report_id = run.run_id
+    client = MlflowClient(tracking_uri())
+    (parent,) = [r for r in runs(client) if r.data.tags["edgeflux.kind"] == "pipeline"]
+    assert parent.data.metrics == {"train_bp.test_acc": 0.9, "finetune.mobiletl.peak_mib": 21.0,
+                                   "pretrain.resnet18.test_acc": 0.75}
+    assert not {k for k in client.get_run(report_id).data.metrics if "." in k}   # the stage run keeps its own
+
+
 def test_metric_names_are_sanitised_to_what_mlflow_takes():
     assert metric_name("finetune@mobiletl") == "finetune.mobiletl"
     assert metric_name("a+b:c d/e") == "a_b_c_d_e"
