@@ -59,6 +59,9 @@ def parse_args(argv=None):
     parser.add_argument("--neuroflux-json", type=Path, default=RESULTS_DIR / "neuroflux.json",
                         help="NeuroFlux benchmark result whose backprop batch sizes get a throughput ceiling "
                              "(skipped when the file does not exist)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where to time (each step ends in loss.item(), so a CUDA step is timed to its end)")
+    parser.add_argument("--name", default=NAME, help="result file name: <out>/<name>.{json,md,png}")
     args = parser.parse_args(argv)
     preset = QUICK if args.quick else FULL
     args.models = tuple(args.models or preset["models"])
@@ -104,14 +107,14 @@ def measure(args, runs: list[dict]) -> list[dict]:
         for name, batches in plan.items():
             torch.manual_seed(0)
             model = build_model(name, num_classes=NUM_CLASSES, in_channels=SAMPLE_SHAPE[0], width=args.width,
-                                image_size=SAMPLE_SHAPE[1]).train()
+                                image_size=SAMPLE_SHAPE[1]).to(args.device).train()
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
             seconds = {b: [] for b in batches}
             for r in range(args.rounds):
                 for batch in batches:
                     progress.update(task, description=f"{name} round {r + 1}/{args.rounds} batch {batch}")
-                    x = torch.randn(batch, *SAMPLE_SHAPE)
-                    y = torch.randint(0, NUM_CLASSES, (batch,))
+                    x = torch.randn(batch, *SAMPLE_SHAPE, device=args.device)
+                    y = torch.randint(0, NUM_CLASSES, (batch,), device=args.device)
                     seconds[batch].append(time_steps(model, optimizer, x, y, max(3, args.samples // batch)))
                     progress.advance(task)
             best = max(batch / min(s) for batch, s in seconds.items())
@@ -135,13 +138,13 @@ def ceilings(rows: list[dict], runs: list[dict]) -> list[dict]:
     return out
 
 
-def plot(rows: list[dict], path: Path, ticks: tuple[int, ...]) -> None:
+def plot(rows: list[dict], path: Path, ticks: tuple[int, ...], device: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for model in dict.fromkeys(r["model"] for r in rows):
         rs = [r for r in rows if r["model"] == model]
         ax.plot([r["batch"] for r in rs], [r["samples_per_s"] for r in rs], "o-", label=model)
     ax.set(xscale="log", xlabel="batch size", ylabel="training samples / s (fastest round)",
-           title="training throughput vs batch size on this machine")
+           title=f"training throughput vs batch size ({device})")
     ax.set_xticks(ticks)   # the requested batches: backprop's own fall between them and would crowd the axis
     ax.get_xaxis().set_major_formatter(plt.ScalarFormatter())
     ax.set_ylim(bottom=0)
@@ -175,21 +178,22 @@ def main(argv=None) -> None:
                 "samples_per_s": f"{r['samples_per_s']:.0f}", "share_of_best": f"{100 * r['share_of_best']:.0f}%"}
                for r in rows]
     notes = (f"One training step = forward, cross-entropy, backward, SGD(momentum 0.9, weight decay 5e-4) update, on "
-             f"random inputs of shape [batch, {', '.join(map(str, SAMPLE_SHAPE))}]; torch threads "
+             f"random inputs of shape [batch, {', '.join(map(str, SAMPLE_SHAPE))}] on {args.device}; torch threads "
              f"{torch.get_num_threads()}. Step time: the fastest of {args.rounds} interleaved rounds, each the mean "
              f"of max(3, {args.samples} // batch) steps after a warm-up step (the median round is in the JSON). "
-             f"Share of best: samples/s over the model's best samples/s in this run. Plot: {NAME}.png.")
+             f"Share of best: samples/s over the model's best samples/s in this run. Plot: {args.name}.png.")
     settings = {"models": args.models, "width": args.width, "batches": args.batches, "samples": args.samples,
-                "rounds": args.rounds, "threads": torch.get_num_threads()}
-    json_path, md_path = result.write(NAME, args.out, title="Training throughput vs batch size", notes=notes,
+                "rounds": args.rounds, "threads": torch.get_num_threads(), "device": args.device}
+    json_path, md_path = result.write(args.name, args.out, title="Training throughput vs batch size", notes=notes,
                                       md_rows=md_rows,
                                       columns={"model": "model", "batch": "batch", "step_ms": "ms/step",
                                                "step_ms_median": "ms/step (median round)",
                                                "samples_per_s": "samples/s", "share_of_best": "share of best"},
                                       extra={"settings": settings, "ceilings": limits})
-    plot(rows, Path(args.out) / f"{NAME}.png", args.batches)
+    device = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
+    plot(rows, Path(args.out) / f"{args.name}.png", args.batches, device)
     print(md_path.read_text())
-    print(f"wrote {json_path}, {md_path} and {Path(args.out) / f'{NAME}.png'}")
+    print(f"wrote {json_path}, {md_path} and {Path(args.out) / f'{args.name}.png'}")
 
 
 if __name__ == "__main__":

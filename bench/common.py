@@ -15,6 +15,7 @@ import os
 import platform
 import shlex
 import socket
+import subprocess
 import sys
 from collections.abc import Sequence
 from datetime import datetime, timezone
@@ -37,6 +38,26 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _nvidia_driver() -> str | None:
+    """The NVIDIA driver's version, from nvidia-smi (torch does not report it)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.strip().splitlines()[0] if out.strip() else None
+
+
+def gpu_info() -> dict[str, Any]:
+    """The GPU, its driver and the CUDA/cuDNN builds torch runs on ({} without CUDA)."""
+    if not torch.cuda.is_available():
+        return {}
+    props = torch.cuda.get_device_properties(0)
+    return {"cuda_memory_bytes": props.total_memory, "cuda_capability": f"{props.major}.{props.minor}",
+            "nvidia_driver": _nvidia_driver(), "cuda_runtime": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version()}
+
+
 def machine_info() -> dict[str, Any]:
     """The machine a result came from: absolute numbers mean nothing without it."""
     cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
@@ -50,15 +71,20 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda_device": cuda,
+        **gpu_info(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 
 
 def machine_line(info: dict[str, Any]) -> str:
     mem_gib = info["memory_bytes"] / 2**30
+    cuda = info["cuda_device"] or "none"
+    if info.get("cuda_runtime"):
+        cuda += (f" ({info['cuda_memory_bytes'] / 2**30:.0f} GiB, driver {info['nvidia_driver']}, CUDA "
+                 f"{info['cuda_runtime']}, cuDNN {info['cudnn']})")
     return (f"{info['hostname']} · {info['cpu']} · {info['cores_logical']} logical cores · {mem_gib:.1f} GiB RAM · "
             f"{info['platform']} · Python {info['python']} · torch {info['torch']} · "
-            f"CUDA: {info['cuda_device'] or 'none'} · {info['date']}")
+            f"CUDA: {cuda} · {info['date']}")
 
 
 def command_line() -> str:
@@ -100,15 +126,19 @@ class BenchResult:
 
     def write(self, name: str, results_dir: str | Path = RESULTS_DIR, title: str | None = None,
               columns: Sequence[str] | dict[str, str] | None = None, notes: str | None = None,
-              md_rows: Sequence[dict[str, Any]] | None = None, extra: dict[str, Any] | None = None) -> tuple[Path, Path]:
+              md_rows: Sequence[dict[str, Any]] | None = None, extra: dict[str, Any] | None = None,
+              measured_by: dict[str, Any] | None = None) -> tuple[Path, Path]:
         """Write <results_dir>/<name>.json and <name>.md; returns their paths.
 
         md_rows: what the markdown table shows (e.g. values converted to MiB); default: the rows.
         extra: more top-level JSON fields (settings, fits, ...).
+        measured_by: {"machine", "command"} of the run that measured the rows, when they are written
+        again elsewhere (re-rendered from its JSON); default: this machine and command.
         """
         out = Path(results_dir)
         out.mkdir(parents=True, exist_ok=True)
-        info, command = machine_info(), command_line()
+        info, command = (measured_by["machine"], measured_by["command"]) if measured_by else \
+            (machine_info(), command_line())
         payload = {"benchmark": name, "title": title or name, "command": command, "machine": info,
                    "rows": self.rows, "sections": self.sections, "notes": notes, **(extra or {})}
         json_path, md_path = out / f"{name}.json", out / f"{name}.md"

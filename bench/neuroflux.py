@@ -44,7 +44,7 @@ from bench.common import RESULTS_DIR, BenchResult, HelpFormatter  # noqa: E402
 from edgeflux.backprop import train_under_budget  # noqa: E402
 from edgeflux.config import MemoryOptions, NeuroFluxParams  # noqa: E402
 from edgeflux.data import load_raw, prepare, tensors  # noqa: E402
-from edgeflux.memory import BudgetTooSmallError, format_bytes, measure_training_peak  # noqa: E402
+from edgeflux.memory import BudgetTooSmallError, MiB, format_bytes, measure_training_peak  # noqa: E402
 from edgeflux.models import build_model, count_params  # noqa: E402
 from edgeflux.neuroflux.aux import exit_params  # noqa: E402
 from edgeflux.neuroflux.exit import select_exit  # noqa: E402
@@ -55,6 +55,8 @@ from edgeflux.neuroflux.worker import CacheOptions, train_blocks  # noqa: E402
 from edgeflux.train import optimizer_factory  # noqa: E402
 
 log = logging.getLogger("bench.neuroflux")
+METHODS = {"neuroflux": "NeuroFlux", "backprop": "backprop", "classic": "classic LL"}
+COLORS = {"NeuroFlux": "tab:blue", "backprop": "tab:orange", "classic LL": "tab:green"}   # the same in every figure
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -64,8 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="directory for neuroflux.{json,md,png}")
     parser.add_argument("--models", nargs="+", default=["vgg16", "vgg19", "resnet18"], help="zoo models to compare")
     parser.add_argument("--width", type=float, default=0.25, help="width multiplier (narrow enough for a CPU)")
-    parser.add_argument("--budgets", type=float, nargs="+", default=[0.6, 1.5, 4.0],
-                        help="budgets as fractions of backprop's measured batch-1 minimum per model")
+    parser.add_argument("--budgets", type=float, nargs="+", default=None,
+                        help="budgets as fractions of backprop's measured batch-1 minimum per model "
+                             "(default: 0.6 1.5 4.0; --quick: 0.6 3.0)")
     parser.add_argument("--train-samples", type=int, default=8000, help="Fashion-MNIST training images (target split)")
     parser.add_argument("--eval-samples", type=int, default=2000, help="validation and test images")
     parser.add_argument("--epochs", type=int, default=4, help="epochs per block (NeuroFlux) and per unit (classic LL)")
@@ -77,14 +80,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--target-acc", type=float, default=0.85, help="target test accuracy for time-to-target")
     parser.add_argument("--max-batch", type=int, default=256, help="batch size limit B for every method")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (none given: torch's choice)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where every method trains and its memory is measured (cuda: the CUDA allocator's peak)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights, the auxiliary heads and the data order")
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS),
+                        help="methods to run (NeuroFlux always runs: every speed-up is measured against it)")
+    parser.add_argument("--budgets-mib", type=float, nargs="+", default=None, metavar="MIB",
+                        help="absolute budgets in MiB instead of --budgets (e.g. the paper's 250 and 500 MB on a GPU)")
+    parser.add_argument("--test-samples", type=int, default=None,
+                        help="test images (default: --eval-samples; 0: the whole test split)")
+    parser.add_argument("--name", default="neuroflux", help="result file name: <out>/<name>.{json,md,png}")
     parser.add_argument("--combine", type=Path, nargs="+", default=None, metavar="JSON",
                         help="instead of running: merge neuroflux.json files of runs over different --models "
                              "(e.g. one process per core) into one result in --out")
     args = parser.parse_args(argv)
     if args.quick:
-        args.models, args.width, args.budgets = ["vgg11"], 0.125, [0.6, 3.0]
+        args.models, args.width, args.budgets = ["vgg11"], 0.125, args.budgets or [0.6, 3.0]
         args.train_samples, args.eval_samples, args.epochs, args.target_acc = 512, 256, 1, 0.5
         args.bp_epochs, args.time_limit = 2, 60.0
+    args.budgets = args.budgets or [0.6, 1.5, 4.0]
+    if "neuroflux" not in args.methods:
+        args.methods = ["neuroflux", *args.methods]
     return args
 
 
@@ -104,22 +120,23 @@ def run_backprop(spec, splits, opts, budget, args) -> dict:
     opts = opts.model_copy(update={"epochs": args.bp_epochs})
     try:
         run = train_under_budget(model, splits["train"], splits["val"], splits["test"], spec["num_classes"], opts,
-                                 memory, torch.device("cpu"), desc="backprop", track_test=True)
+                                 memory, torch.device(args.device), desc="backprop", track_test=True)
     except BudgetTooSmallError as exc:
         return {"method": "backprop", "feasible": False, "min_feasible_bytes": exc.min_feasible_bytes}
     return {"method": "backprop", "feasible": True, "peak_bytes": run.step_memory.peak_bytes,
             "batch_sizes": [run.batch_size], "train_time_s": run.train.train_time_s, "history": run.train.history,
-            "test_acc": run.test_acc, "params": count_params(model), "offset": 0.0}
+            "test_acc": run.test_acc, "params": count_params(model), "offset": 0.0,
+            "samples_per_s": run.train.steps * run.batch_size / max(run.train.train_time_s, 1e-9)}
 
 
 def run_local(spec, splits, opts, budget, args, classic: bool) -> dict:
     method = "classic LL" if classic else "NeuroFlux"
     if classic:   # the baseline as published: one lr for every unit
         opts = opts.model_copy(update={"lr_scaling": "constant"})
-    aux = dict(mode="classic" if classic else "adaptive", classic_filters=256, pool=2, seed=0)
+    aux = dict(mode="classic" if classic else "adaptive", classic_filters=256, pool=2, seed=args.seed)
     model, learners = build_learners(spec, aux)
     profiles = profile_units(learners, model.describe(), spec["num_classes"], optimizer_factory(opts),
-                             batches=(16, 32, 64, 128), data=splits["train"], min_r2=0.0)
+                             batches=(16, 32, 64, 128), data=splits["train"], min_r2=0.0, device=args.device)
     profile_s = profiling_seconds(profiles)
     models = [p.model for p in profiles]
     try:
@@ -132,7 +149,7 @@ def run_local(spec, splits, opts, budget, args, classic: bool) -> dict:
             run = train_blocks(learners, blocks, splits, opts, workdir=Path(tmp) / "cache", budget_bytes=budget,
                                cache=CacheOptions(storage="float16"), use_cache=not classic, desc=method,
                                split_rho=None if classic else 0.4,
-                               time_limit_s=args.time_limit if classic else None)
+                               time_limit_s=args.time_limit if classic else None, device=args.device)
     except BudgetTooSmallError as exc:
         return {"method": method, "feasible": False, "min_feasible_bytes": exc.min_feasible_bytes}
     params = [exit_params(learners, k) for k in range(len(learners))]
@@ -149,6 +166,8 @@ def run_local(spec, splits, opts, budget, args, classic: bool) -> dict:
             "profile_s": profile_s, "history": run.history, "test_acc": run.unit_test_acc[k],
             "full_test_acc": run.unit_test_acc[-1], "exit": k, "params": params[k], "offset": profile_s,
             "complete": run.complete,
+            "samples_per_s": sum(len(splits["train"][1]) * opts.epochs for _ in run.blocks) /
+            max(sum(b.train_time_s for b in run.blocks), 1e-9),
             "within_budget": all(b.peak_bytes <= budget for b in run.blocks)}
 
 
@@ -167,7 +186,7 @@ def plot(rows: list[dict], path: Path, target: float) -> None:
             for r in rows:
                 if r["model"] == model and r["budget_frac_of_bp_min"] == frac and r.get("curve"):
                     t, acc = zip(*r["curve"])
-                    ax.plot(t, acc, marker=".", label=r["method"])
+                    ax.plot(t, acc, marker=".", label=r["method"], color=COLORS[r["method"]])
             budget = next(r["budget_bytes"] for r in rows if r["model"] == model and r["budget_frac_of_bp_min"] == frac)
             ax.axhline(target, color="grey", linestyle="--", linewidth=1)
             ax.set(title=f"{model}, budget {format_bytes(budget)} ({frac:g}x BP min)", xlabel="training time (s)",
@@ -251,7 +270,9 @@ def targets(rows: list[dict], speedups: list[dict]) -> list[dict]:
         where = f"{e['model']} at {format_bytes(e['budget_bytes'])}"
         for method, bar in (("backprop", 2.3), ("classic_LL", 3.3)):
             exact, bound = e.get(f"speedup_vs_{method}"), e.get(f"speedup_vs_{method}_at_least")
-            other = by[(e["model"], e["budget_bytes"], method.replace("_", " "))]
+            other = by.get((e["model"], e["budget_bytes"], method.replace("_", " ")))
+            if other is None:   # a method this run left out (--methods)
+                continue
             if not other["feasible"]:
                 measured, met = f"{method.replace('_', ' ')} cannot run at this budget", None
             elif e["neuroflux_to_target_s"] is None:
@@ -264,8 +285,8 @@ def targets(rows: list[dict], speedups: list[dict]) -> list[dict]:
                 measured, met = "no time to target", None
             out.append({"target": f"time to target >= {bar}x faster than {method.replace('_', ' ')} ({where})",
                         "measured": measured, "met": met})
-        nf, bp = (by[(e["model"], e["budget_bytes"], m)] for m in ("NeuroFlux", "backprop"))
-        if nf["feasible"] and bp["feasible"]:
+        nf, bp = (by.get((e["model"], e["budget_bytes"], m)) for m in ("NeuroFlux", "backprop"))
+        if bp and nf["feasible"] and bp["feasible"]:
             reduction, gap = bp["params"] / nf["params"], bp["test_acc"] - nf["test_acc"]
             out.append({"target": f"compact model >= 10x fewer parameters, test acc within 1 point of backprop ({where})",
                         "measured": f"{reduction:.1f}x fewer ({nf['params']:,} vs {bp['params']:,}); test acc "
@@ -304,14 +325,15 @@ def write(rows: list[dict], speedups: list[dict], args, notes: str, settings: di
     columns = {"model": "model", "method": "method", "budget": "budget", "peak": "measured peak",
                "batch_sizes": "batch per block", "time_to_target_s": f"s to {args.target_acc:.0%}",
                "test_acc": "final test acc", "test_acc_at_fixed_time": "test acc at fixed time",
-               "fixed_time_s": "fixed time s", "params": "params (output model)", "within_budget": "peak <= budget"}
-    result.write("neuroflux", args.out, title="NeuroFlux vs backprop vs classic local learning at equal budgets",
+               "fixed_time_s": "fixed time s", "samples_per_s": "training samples/s", "params": "params (output model)",
+               "within_budget": "peak <= budget"}
+    result.write(args.name, args.out, title="NeuroFlux vs backprop vs classic local learning at equal budgets",
                  columns=columns, md_rows=md_rows, notes=notes,
                  extra={"speedups": speedups, "targets": goals, "compact_exits": exits, "combined_from": combined_from,
                         "settings": settings or {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}})
-    plot(rows, args.out / "neuroflux.png", args.target_acc)
-    plot_exits(rows, args.out / "neuroflux_exits.png")
-    print(f"wrote {args.out / 'neuroflux.json'}, .md, .png and neuroflux_exits.png")
+    plot(rows, args.out / f"{args.name}.png", args.target_acc)
+    plot_exits(rows, args.out / f"{args.name}_exits.png")
+    print(f"wrote {args.out / args.name}.json, .md, .png and {args.name}_exits.png")
 
 
 def main(argv=None) -> None:
@@ -331,64 +353,80 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     data = prepare(load_raw("fashion-mnist"), image_size=32, val_fraction=0.1, seed=0, split_by="data")
+    test_limit = args.eval_samples if args.test_samples is None else (args.test_samples or None)
     splits = {"train": tensors(data, "target_train", limit=args.train_samples),
               "val": tensors(data, "target_val", limit=args.eval_samples),
-              "test": tensors(data, "target_test", limit=args.eval_samples)}
-    opts = NeuroFluxParams(epochs=args.epochs, lr=0.05, momentum=0.9, weight_decay=5e-4, evals_per_epoch=2, seed=0,
-                           lr_scaling=args.lr_scaling, lr_reference_batch=32)
+              "test": tensors(data, "target_test", limit=test_limit)}
+    opts = NeuroFluxParams(epochs=args.epochs, lr=0.05, momentum=0.9, weight_decay=5e-4, evals_per_epoch=2,
+                           seed=args.seed, lr_scaling=args.lr_scaling, lr_reference_batch=32)
     rows, speedups = [], []
     started = time.perf_counter()
     for name in args.models:
         spec = dict(name=name, num_classes=len(data.classes), in_channels=1, width=args.width, image_size=32,
-                    batch_norm=True, seed=0)
+                    batch_norm=True, seed=args.seed)
         bp_min = measure_training_peak(build_model(**spec), optimizer_factory(opts), (1, 32, 32), spec["num_classes"],
-                                       1, data=splits["train"]).peak_bytes
-        for frac in args.budgets:
-            budget = int(frac * bp_min)
-            print(f"{name} w{args.width:g}: budget {format_bytes(budget)} ({frac:g} x backprop's batch-1 minimum "
-                  f"{format_bytes(bp_min)})", flush=True)
-            runs = [run_local(spec, splits, opts, budget, args, classic=False),
-                    run_backprop(spec, splits, opts, budget, args),
-                    run_local(spec, splits, opts, budget, args, classic=True)]
-            fixed_time = min((r["train_time_s"] for r in runs if r["feasible"]), default=0.0)
-            for r in runs:
-                row = {"model": f"{name}-w{args.width:g}", "method": r["method"], "budget_bytes": budget,
-                       "budget_frac_of_bp_min": frac, "feasible": r["feasible"]}
-                if r["feasible"]:
-                    row.update(peak_bytes=r["peak_bytes"], batch_sizes=r["batch_sizes"],
-                               time_to_target_s=time_to(r["history"], args.target_acc, r["offset"]),
-                               test_acc=r["test_acc"], test_acc_at_fixed_time=acc_at(r["history"], fixed_time, r["offset"]),
-                               fixed_time_s=fixed_time, train_time_s=r["train_time_s"], params=r["params"],
-                               within_budget=r.get("within_budget", r["peak_bytes"] <= budget),
-                               **{k: r[k] for k in ("exit", "exits", "full_params", "full_test_acc", "profile_s",
-                                                     "complete")
-                                  if k in r})
-                else:
-                    row.update(peak_bytes=None, time_to_target_s=None, test_acc=None, params=None,
-                               min_feasible_bytes=r["min_feasible_bytes"])
-                if r["feasible"]:
-                    row["curve"] = [[r["offset"] + h["time_s"], h["test_acc"]] for h in r["history"]]
-                rows.append(row)
-            nf = next(r for r in runs if r["method"] == "NeuroFlux")
-            nf_t = time_to(nf["history"], args.target_acc, nf["offset"]) if nf["feasible"] else None
-            entry = {"model": f"{name}-w{args.width:g}", "budget_bytes": budget, "neuroflux_to_target_s": nf_t}
-            for r in runs[1:]:
-                t = time_to(r["history"], args.target_acc, r["offset"]) if r["feasible"] else None
-                method = r["method"].replace(" ", "_")
-                entry[f"speedup_vs_{method}"] = t / nf_t if t and nf_t else None
-                if r["feasible"] and nf_t and t is None:   # never reached the target: all its time is a lower bound
-                    entry[f"speedup_vs_{method}_at_least"] = (r["offset"] + r["train_time_s"]) / nf_t
-            bp = runs[1]
-            entry["param_reduction_vs_full"] = (bp["params"] / nf["params"]) if nf["feasible"] and bp["feasible"] \
-                else (count_params(build_model(**spec)) / nf["params"] if nf["feasible"] else None)
-            speedups.append(entry)
+                                       1, data=splits["train"], device=args.device).peak_bytes
+        budgets = [int(mib * MiB) for mib in args.budgets_mib] if args.budgets_mib else \
+            [int(frac * bp_min) for frac in args.budgets]
+        for budget in budgets:
+            print(f"{name} w{args.width:g}: budget {format_bytes(budget)} ({budget / bp_min:.2f} x backprop's batch-1 "
+                  f"minimum {format_bytes(bp_min)}) on {args.device}", flush=True)
+            runs = [run_local(spec, splits, opts, budget, args, classic=False)]
+            if "backprop" in args.methods:
+                runs.append(run_backprop(spec, splits, opts, budget, args))
+            if "classic" in args.methods:
+                runs.append(run_local(spec, splits, opts, budget, args, classic=True))
+            rows += budget_rows(runs, f"{name}-w{args.width:g}", budget, budget / bp_min, args.target_acc)
+            speedups.append(speedup_entry(runs, spec, f"{name}-w{args.width:g}", budget, args.target_acc))
+    test_n = len(splits["test"][1])
     write(rows, speedups, args, f"Fashion-MNIST target split, {args.train_samples} training images, {args.eval_samples} "
-          f"validation and test images, {args.epochs} epochs per block/unit (backprop: {args.bp_epochs}), NeuroFlux "
-          f"lr scaling {args.lr_scaling} from batch 32, classic LL "
-          f"capped at {args.time_limit:g}s of training, torch threads {torch.get_num_threads()}; "
-          f"bench time {time.perf_counter() - started:.0f}s.")
+          f"validation and {test_n} test images, {args.epochs} epochs per block/unit (backprop: {args.bp_epochs}), "
+          f"NeuroFlux lr scaling {args.lr_scaling} from batch 32, classic LL "
+          f"capped at {args.time_limit:g}s of training, seed {args.seed}, device {args.device}, torch threads "
+          f"{torch.get_num_threads()}; bench time {time.perf_counter() - started:.0f}s.")
+
+
+def budget_rows(runs: list[dict], model: str, budget: int, frac: float, target: float) -> list[dict]:
+    """One result row per method run at one budget (accuracy at a fixed time: the fastest run's total)."""
+    fixed_time = min((r["train_time_s"] for r in runs if r["feasible"]), default=0.0)
+    rows = []
+    for r in runs:
+        row = {"model": model, "method": r["method"], "budget_bytes": budget,
+               "budget_frac_of_bp_min": round(frac, 4), "feasible": r["feasible"]}
+        if r["feasible"]:
+            row.update(peak_bytes=r["peak_bytes"], batch_sizes=r["batch_sizes"],
+                       time_to_target_s=time_to(r["history"], target, r["offset"]),
+                       test_acc=r["test_acc"], test_acc_at_fixed_time=acc_at(r["history"], fixed_time, r["offset"]),
+                       fixed_time_s=fixed_time, train_time_s=r["train_time_s"], params=r["params"],
+                       within_budget=r.get("within_budget", r["peak_bytes"] <= budget),
+                       samples_per_s=r["samples_per_s"],
+                       curve=[[r["offset"] + h["time_s"], h["test_acc"]] for h in r["history"]],
+                       **{k: r[k] for k in ("exit", "exits", "full_params", "full_test_acc", "profile_s", "complete")
+                          if k in r})
+        else:
+            row.update(peak_bytes=None, time_to_target_s=None, test_acc=None, params=None,
+                       min_feasible_bytes=r["min_feasible_bytes"])
+        rows.append(row)
+    return rows
+
+
+def speedup_entry(runs: list[dict], spec: dict, model: str, budget: int, target: float) -> dict:
+    """NeuroFlux's time to the target against every other method's at one budget."""
+    nf = runs[0]
+    nf_t = time_to(nf["history"], target, nf["offset"]) if nf["feasible"] else None
+    entry = {"model": model, "budget_bytes": budget, "neuroflux_to_target_s": nf_t}
+    for r in runs[1:]:
+        t = time_to(r["history"], target, r["offset"]) if r["feasible"] else None
+        method = r["method"].replace(" ", "_")
+        entry[f"speedup_vs_{method}"] = t / nf_t if t and nf_t else None
+        if r["feasible"] and nf_t and t is None:   # never reached the target: all its time is a lower bound
+            entry[f"speedup_vs_{method}_at_least"] = (r["offset"] + r["train_time_s"]) / nf_t
+    bp = next((r for r in runs if r["method"] == "backprop"), None)
+    entry["param_reduction_vs_full"] = (bp["params"] / nf["params"]) if nf["feasible"] and bp and bp["feasible"] \
+        else (count_params(build_model(**spec)) / nf["params"] if nf["feasible"] else None)
+    return entry
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The benchmark harness in quick mode writes its JSON and markdown side by side, with real figures."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -256,3 +257,77 @@ def test_pipeline_quick_times_dvc_prefect_workers_and_the_round_trip(tmp_path):
         if str(work) in info:
             left.append((proc.info["pid"], proc.info["cmdline"]))
     assert not left, left
+
+
+# What the GPU machine lacks (bench/gpu_run.sh carries pydantic's wheels only): importing any of them fails.
+ABSENT_ON_GPU = ("mlflow", "prefect", "dvc", "ruamel", "mlxtend")
+BLOCKER = f"""import importlib.abc, sys
+class _Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in {ABSENT_ON_GPU!r}:
+            raise ImportError(name + ' is not on the GPU machine')
+sys.meta_path.insert(0, _Absent())
+"""
+
+
+def run_gpu(tmp_path: Path, *flags: str) -> dict:
+    """bench.gpu on the CPU, in a process (and its pytest child) that cannot import what the GPU machine lacks."""
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(BLOCKER)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu", "--quick", "--device", "cpu", "--out",
+                           str(tmp_path / "out"), *flags], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {p["part"]: p["status"] for p in json.loads((tmp_path / "out" / "gpu_cpu.json").read_text())["rows"]}
+
+
+def test_gpu_script_runs_every_part_on_the_cpu_and_resumes(tmp_path):
+    out = tmp_path / "out"
+    status = run_gpu(tmp_path, "--seeds", "2")
+    assert status == {p: "done" for p in ("tests", "memory", "bittrain", "finetune", "neuroflux", "throughput")}
+    read = lambda name: json.loads((out / f"{name}_cpu.json").read_text())  # noqa: E731
+    tests = read("tests")
+    assert tests["counts"]["passed"] == len(tests["rows"]) > 0 and tests["returncode"] == 0
+    memory = read("memory")
+    assert all(r["peak"] == r["cpu_peak"] > r["cpu_saved"] > 0 for r in memory["rows"])
+    assert all(r["within"] and r["step_peak_bytes"] <= r["budget_bytes"] for r in memory["budgeted_runs"])
+    bittrain = {r["variant"]: r for r in read("bittrain")["rows"]}
+    assert bittrain["bitmap"]["stored_bytes"] < bittrain["bitmap"]["dense_bytes"]
+    assert bittrain["fp16"]["stored_bytes"] < bittrain["bitmap"]["stored_bytes"]
+    finetune = read("finetune")
+    assert all(r["peak_mem_bytes"] <= finetune["budget_bytes"] for r in finetune["rows"])
+    nf = read("neuroflux")
+    assert nf["complete"] and all(s["speedup"]["n"] <= 2 for s in nf["speedups"])
+    assert {r["method"] for r in nf["rows"]} == {"NeuroFlux", "backprop"}
+    for r in nf["rows"]:
+        seeds = [x for p in sorted((out / "neuroflux_cpu_seeds").glob("seed*.json"))
+                 for x in json.loads(p.read_text())["rows"] if (x["method"], x["budget_bytes"]) ==
+                 (r["method"], r["budget_bytes"])]
+        accs = [x["test_acc"] for x in seeds if x["feasible"]]
+        assert len(seeds) == 2 and r["feasible"] == len(accs)
+        if not accs:   # backprop below its batch-1 minimum
+            assert r["method"] == "backprop" and r["test_acc"]["mean"] is None
+            continue
+        assert abs(r["test_acc"]["mean"] - sum(accs) / 2) < 1e-12
+        assert r["test_acc"]["lo"] <= min(accs) and r["test_acc"]["hi"] >= max(accs)   # t(1) interval is wide
+    assert read("throughput")["complete"]
+    # A run cut off after NeuroFlux's first seed: the rerun keeps seed 0 and every finished part, runs seed 1.
+    seed0 = out / "neuroflux_cpu_seeds" / "seed0.json"
+    kept = seed0.stat().st_mtime_ns
+    (out / "neuroflux_cpu_seeds" / "seed1.json").unlink()
+    (out / "neuroflux_cpu.json").unlink()
+    status = run_gpu(tmp_path, "--seeds", "2")
+    assert status.pop("neuroflux") == "done" and set(status.values()) == {"kept (complete from an earlier run)"}
+    assert seed0.stat().st_mtime_ns == kept and (out / "neuroflux_cpu_seeds" / "seed1.json").exists()
+
+
+def test_cpu_vs_gpu_doc_is_what_the_committed_results_say(tmp_path, monkeypatch):
+    from bench import cpu_vs_gpu
+
+    monkeypatch.setattr(cpu_vs_gpu, "DOC", tmp_path / "cpu_vs_gpu.md")
+    cpu_vs_gpu.main()
+    assert (tmp_path / "cpu_vs_gpu.md").read_text() == (REPO / "docs" / "cpu_vs_gpu.md").read_text(), \
+        "docs/cpu_vs_gpu.md is stale: python -m bench.cpu_vs_gpu"
+    assert "| - | - |" not in (tmp_path / "cpu_vs_gpu.md").read_text()   # every row has a figure

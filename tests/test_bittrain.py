@@ -290,15 +290,6 @@ def test_compress_refuses_integer_tensors():
         compress(torch.ones(3), threshold=-1)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_round_trip_cuda():
-    for name, t in _cases().items():
-        t = t.cuda()
-        packed = compress(t)
-        assert packed.device.type == "cuda"
-        assert torch.equal(bits(packed.decompress()), bits(t)), name
-
-
 # ----------------------------------------------------------------------------- saved-tensor hooks
 
 def _grads(model: nn.Module) -> list[torch.Tensor]:

@@ -273,8 +273,9 @@ class CompressedActivations:
         pending, self._to_count, self._to_count_bytes = self._to_count, [], 0
         if not pending:
             return
-        if kernel.available() and all(d.is_cpu and d.dtype in kernel.FLOAT_DTYPES and d.is_contiguous()
-                                      for d, _, _ in pending):
+        # The tensors first: kernel.available() compiles the CPU kernel on first use, which a CUDA run never needs.
+        if all(d.is_cpu and d.dtype in kernel.FLOAT_DTYPES and d.is_contiguous() for d, _, _ in pending) \
+                and kernel.available():
             counts = kernel.count_each([d for d, _, _ in pending], self.threshold)
         else:
             counts = [count_kept(d, self.threshold) for d, _, _ in pending]
