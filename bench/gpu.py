@@ -42,7 +42,7 @@ import torch
 
 from bench import batch_throughput, neuroflux
 from bench.common import RESULTS_DIR, BenchResult, HelpFormatter
-from bench.gpu_parts import (aggregate_neuroflux, bittrain_rows, budget_rows, finetune_rows, memory_rows,
+from bench.gpu_parts import (aggregate_neuroflux, bittrain_rows, budgeted_runs, finetune_rows, memory_rows,
                               plot_memory, plot_neuroflux)
 from edgeflux.memory import format_bytes
 
@@ -136,7 +136,7 @@ def part_tests(args, name: str) -> None:
 
 def part_memory(args, name: str) -> str | None:
     rows = memory_rows(args.device, args.quick)
-    runs = budget_rows(args.device, args.quick)
+    runs = budgeted_runs(args.device, args.quick)
     result = BenchResult()
     result.rows = rows
     mib = lambda n: "-" if n is None else f"{n / 2**20:.2f}"  # noqa: E731

@@ -116,7 +116,7 @@ def memory_rows(device: str, quick: bool) -> list[dict]:
     return rows
 
 
-def budget_rows(device: str, quick: bool) -> list[dict]:
+def budgeted_runs(device: str, quick: bool) -> list[dict]:
     """Backprop at the largest batch whose measured step fits the budget, trained for an epoch; on CUDA the
     allocator's peak over the whole run (every step, every evaluation) is held against the budget too."""
     cfg = BUDGETED_QUICK if quick else BUDGETED
