@@ -28,13 +28,28 @@ from edgeflux.neuroflux.cache import CacheOptions as CacheParams
 from edgeflux.options import Bytes, Options as _Section, parse_bytes
 from edgeflux.train import MemoryOptions, TrainOptions
 
-__all__ = ["BitTrainParams", "Bytes", "CacheParams", "DataParams", "FinetuneParams", "MEANetParams", "MemoryOptions", "ModelSpec", "NeuroFluxParams",
+__all__ = ["BitTrainParams", "Bytes", "CacheParams", "DataParams", "DeviceParams", "FinetuneParams", "MEANetParams", "MemoryOptions", "ModelSpec", "NeuroFluxParams",
            "Params", "ParamsError", "PretrainParams", "ReportParams", "TrainBPParams", "TrainOptions", "load_params",
            "parse_bytes", "validate"]
 
 
 class ParamsError(ValueError):
     """params.yaml holds something edgeflux cannot use; the message says what and how to fix it."""
+
+
+class DeviceParams(_Section):
+    """The device every budgeted stage trains on: one budget for every method. A budgeted stage's section
+    (one whose options are MemoryOptions) inherits each of INHERITED that it does not set itself; its own
+    value overrides the device's, except max_batch, where the smaller of the two holds (both are limits)."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    budget: Bytes | None = None
+    max_batch: int = Field(256, ge=1)
+    threads: int | None = Field(None, ge=1)   # torch's threads in every stage; None: torch's default
+    bittrain: BitTrainParams = BitTrainParams()
+
+
+INHERITED = ("device", "budget", "max_batch", "bittrain")
 
 
 class DataParams(_Section):
@@ -183,6 +198,7 @@ class OrchestrationParams(_Section):
 
 class Params(_Section):
     data: DataParams = DataParams()
+    device: DeviceParams = DeviceParams()
     pretrain: PretrainParams
     train_bp: TrainBPParams
     neuroflux: NeuroFluxParams = NeuroFluxParams()
@@ -234,7 +250,7 @@ def validate(raw: dict, where: str = "params.yaml") -> Params:
     if not isinstance(raw, dict):
         raise ParamsError(f"{where}: expected a mapping of stage sections, got {type(raw).__name__}")
     try:
-        params = Params.model_validate(raw)
+        params = Params.model_validate(inherit_device(raw, where))
     except ValidationError as exc:
         lines = [_format_error(e, where, raw) for e in exc.errors()]
         raise ParamsError("\n".join(lines)) from None
@@ -247,6 +263,39 @@ def validate(raw: dict, where: str = "params.yaml") -> Params:
             raise ParamsError(f"{where}: meanet.{key} = {getattr(params.meanet, key)!r}: not a model the pretrain "
                               f"stage trains; allowed: {', '.join(keys)} (the keys of pretrain.models)")
     return params
+
+
+def budgeted_sections() -> tuple[str, ...]:
+    """The sections that inherit the device section: those whose options include the memory options."""
+    return tuple(name for name, field in Params.model_fields.items()
+                 if any(isinstance(t, type) and issubclass(t, MemoryOptions)
+                        for t in getattr(field.annotation, "__args__", (field.annotation,))))
+
+
+def inherit_device(raw: dict, where: str = "params.yaml") -> dict:
+    """``raw`` with the device section's keys copied into every budgeted section that does not set them
+    (bittrain key by key). The device section is checked on its own first, so that a bad device.budget is
+    one message naming device.budget, not one per stage."""
+    device = raw.get("device", {})
+    try:
+        DeviceParams.model_validate(device)
+    except ValidationError as exc:
+        raise ParamsError("\n".join(_format_error({**e, "loc": ("device", *e["loc"])}, where, raw)
+                                     for e in exc.errors())) from None
+    inherited = {key: device[key] for key in INHERITED if key in device}
+    out = dict(raw)
+    for name in budgeted_sections():
+        section = raw.get(name)
+        if not isinstance(section, dict):
+            continue
+        merged = {**inherited, **section}
+        if isinstance(inherited.get("bittrain"), dict) and isinstance(section.get("bittrain"), dict):
+            merged["bittrain"] = {**inherited["bittrain"], **section["bittrain"]}
+        caps = [v for v in (inherited.get("max_batch"), section.get("max_batch")) if type(v) is int]
+        if len(caps) == 2:   # both limits hold: the device's, and the method's own (e.g. steps per epoch)
+            merged["max_batch"] = min(caps)
+        out[name] = merged
+    return out
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:

@@ -2,7 +2,7 @@
 
     preset = load_preset("pi4")                  # or a path to a preset file
     set_params(preset.params | {"train_bp.epochs": 1})   # params.yaml updated, comments kept
-    env = {**os.environ, **preset.env()}         # the stages' threads
+    env = {**os.environ, **preset.env()}         # the preset's name, for the MLflow tags
 
     python -m edgeflux.presets list              # the presets, with their devices
     python -m edgeflux.presets check             # params.yaml as the stages will read it (one line per problem)
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import ValidationError
 from ruamel.yaml import YAML
 
 from edgeflux.options import Options
@@ -39,13 +39,13 @@ class PresetError(ValueError):
 class Preset(Options):
     name: str = ""
     description: str
-    threads: int | None = Field(None, ge=1)   # OMP_NUM_THREADS of every stage; None: torch's default
     stages: list[str] | None = None           # the device stages to run; None: all of them
     params: dict[str, Any] = {}               # params.yaml overrides, dotted keys
 
     def env(self) -> dict[str, str]:
-        """What the stages' environment gets: torch's thread count, and the preset's name for the MLflow tags."""
-        return {"EDGEFLUX_PRESET": self.name} | ({"OMP_NUM_THREADS": str(self.threads)} if self.threads else {})
+        """What the stages' environment gets: the preset's name, for the MLflow tags (its threads are a
+        param, device.threads, which every stage applies itself)."""
+        return {"EDGEFLUX_PRESET": self.name}
 
 
 def available(root: Path = PRESETS_DIR) -> list[str]:

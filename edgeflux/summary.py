@@ -42,6 +42,8 @@ class MethodRow:
     test_acc: float
     to_target_cpu_s: float | None = None   # CPU time until validation accuracy first reached the report's target
     pareto: bool = False            # no other row is at least as accurate with a smaller or equal peak
+    curve: str | None = None        # the accuracy-vs-time CSV its time to target is read from
+    plotted: bool = False           # its curve is drawn on the accuracy-vs-time plot
 
 
 def finetune_label(spec: str, bittrain: bool = False) -> str:
@@ -52,7 +54,23 @@ def finetune_label(spec: str, bittrain: bool = False) -> str:
     return label + (" + BitTrain" if on or bittrain else "")
 
 
-def _training_row(method: str, stage: str, starts_from: str, model: str, head: Mapping, **override) -> MethodRow:
+@dataclass(frozen=True)
+class RowInputs:
+    """What a stage's summary_rows() reads: every stage's headline and details (keyed by stage name,
+    "finetune/<method>" per fine-tuning run), the "+ BitTrain" suffix of each params section whose stage ran
+    with it, and the fine-tuned model's key."""
+
+    head: Mapping[str, Mapping]
+    detail: Mapping[str, Mapping]
+    bittrain: Mapping[str, bool]
+    finetune_model: str | None = None
+
+    def plus(self, section: str) -> str:
+        return " + BitTrain" if self.bittrain.get(section) else ""
+
+
+def training_row(method: str, stage: str, starts_from: str, model: str, head: Mapping, **override) -> MethodRow:
+    """A row from a training stage's headline; `override` replaces what the headline does not say."""
     row = MethodRow(method=method, stage=stage, starts_from=starts_from, model=model,
                     budget_mib=head.get("budget_mib"), batch=str(head.get("batch", "-")), peak_mib=head.get("peak_mib"),
                     trainable_params=head.get("trainable_params"), params=head.get("params"),
@@ -60,46 +78,6 @@ def _training_row(method: str, stage: str, starts_from: str, model: str, head: M
     for key, value in override.items():
         setattr(row, key, value)
     return row
-
-
-def method_rows(head: Mapping[str, Mapping], detail: Mapping[str, Mapping], bittrain: Mapping[str, bool],
-                finetune_model: str | None = None) -> list[MethodRow]:
-    """One row per method that has run. head/detail: stage -> its metrics/details JSON ("finetune/<spec>"
-    for each fine-tuning run); bittrain: params section -> whether BitTrain was on in it."""
-    plus = {k: " + BitTrain" if on else "" for k, on in bittrain.items()}
-    rows = []
-    if "train_bp" in head:
-        rows.append(_training_row("backprop" + plus.get("train_bp", ""), "train_bp", "scratch",
-                                  detail["train_bp"]["model"], head["train_bp"]))
-    if "train_blocks" in head:
-        d, flux = detail["train_blocks"], head["train_blocks"]
-        batches = "/".join(map(str, d["batch_sizes"]))
-        rows.append(_training_row("NeuroFlux, full model" + plus.get("neuroflux", ""), "train_blocks", "scratch",
-                                  d["model"], flux, batch=batches))
-        if "select_exit" in head:
-            exit_ = detail["select_exit"]
-            rows.append(_training_row(f"NeuroFlux, exit {exit_['exit_unit']}" + plus.get("neuroflux", ""),
-                                      "select_exit", "scratch", d["model"], flux, batch=batches,
-                                      params=exit_["params"], test_acc=exit_["test_acc"]))
-    for key in [k for k in head if k.startswith("finetune/")]:   # in finetune.methods' order
-        spec = key.split("/", 1)[1]
-        rows.append(_training_row(finetune_label(spec, bittrain.get("finetune", False)), f"finetune@{spec}",
-                                  f"pretrained {finetune_model}", detail[key]["model"], head[key]))
-    rows += _meanet_rows(head, detail, plus.get("meanet", ""))
-    return mark_pareto(rows)
-
-
-def _meanet_rows(head: Mapping[str, Mapping], detail: Mapping[str, Mapping], plus: str) -> list[MethodRow]:
-    """MEANet's edge training (the main block fixed) with the accuracies of evaluate_edge_cloud: every
-    class, the edge alone and the edge with the cloud for what it routes there."""
-    if "meanet_edge" not in head or "evaluate_edge_cloud" not in head:
-        return []
-    main = detail.get("meanet_cloud", {}).get("main", "?")
-    cloud, edge = head["evaluate_edge_cloud"], head["meanet_edge"]
-    starts = f"pretrained {main} (main block, fixed)"
-    return [_training_row("MEANet, edge only" + plus, "meanet_edge", starts, main, edge, test_acc=cloud["edge_acc"]),
-            _training_row(f"MEANet, edge + cloud ({cloud['cloud_frac']:.0%} sent)" + plus, "evaluate_edge_cloud",
-                          starts, main, edge, test_acc=cloud["edge_cloud_acc"])]
 
 
 def mark_pareto(rows: list[MethodRow]) -> list[MethodRow]:
@@ -186,4 +164,5 @@ def plot_pareto(rows: list[MethodRow], out: Path, budget_mib: float | None = Non
 
 
 def rows_json(rows: list[MethodRow]) -> list[dict]:
-    return [asdict(r) for r in rows]
+    """The rows as reports/summary.json holds them (where a curve lives is the report's business)."""
+    return [{k: v for k, v in asdict(r).items() if k not in ("curve", "plotted")} for r in rows]

@@ -27,8 +27,14 @@ from edgeflux.meanet.hard import HardClasses
 from edgeflux.meanet.model import load_meanet
 from edgeflux.meanet.plot import plot_sweep
 from edgeflux.tracking import stage_run
+from edgeflux.summary import MethodRow, RowInputs, training_row
 from pipeline.cloud import ModelServer
 from stages.common import run_stage, stage_parser, write_metrics
+from stages.registry import Stage
+
+STAGE = Stage(name="evaluate_edge_cloud", section="meanet", side="device", rows=True,
+              outs=("details/evaluate_edge_cloud.json", "metrics/evaluate_edge_cloud.json", "plots/meanet_sweep.csv",
+                    "plots/meanet_sweep.png"))
 
 EDGE, HARD, CLOUD = Path("models/meanet/edge.pt"), Path("models/meanet/hard_classes.json"), Path("models/meanet/cloud")
 SWEEP_CSV, SWEEP_PNG = Path("plots/meanet_sweep.csv"), Path("plots/meanet_sweep.png")
@@ -76,6 +82,20 @@ def main(args, params) -> None:
         plot_sweep(report["sweep"], edge, cloud, mu, threshold, SWEEP_PNG)
         for path in (*written, SWEEP_CSV, SWEEP_PNG):
             run.log_artifact(path)
+
+
+def summary_rows(inputs: RowInputs) -> list[MethodRow]:
+    """MEANet's edge training (the main block fixed) with this stage's accuracies on every class: the edge
+    alone, and the edge with the cloud for what it routes there."""
+    head = inputs.head
+    if "meanet_edge" not in head or "evaluate_edge_cloud" not in head:
+        return []
+    main = inputs.detail.get("meanet_cloud", {}).get("main", "?")
+    cloud, edge, plus = head["evaluate_edge_cloud"], head["meanet_edge"], inputs.plus("meanet")
+    starts = f"pretrained {main} (main block, fixed)"
+    return [training_row("MEANet, edge only" + plus, "meanet_edge", starts, main, edge, test_acc=cloud["edge_acc"]),
+            training_row(f"MEANet, edge + cloud ({cloud['cloud_frac']:.0%} sent)" + plus, "evaluate_edge_cloud",
+                         starts, main, edge, test_acc=cloud["edge_cloud_acc"])]
 
 
 if __name__ == "__main__":

@@ -26,7 +26,15 @@ from edgeflux.elastic.plot import plot_selections
 from edgeflux.finetune import METHOD_HELP, finetune, parse_method
 from edgeflux.tracking import stage_run
 from edgeflux.train import resolve_device
+from edgeflux.summary import MethodRow, RowInputs, finetune_label, training_row
 from stages.common import peak_rss_bytes, run_stage, stage_parser, write_history_csv, write_metrics
+from stages.registry import MATRIX_ITEM, Stage
+
+STAGE = Stage(name="finetune", section="finetune", side="device", budgeted=True, incoming=True,
+              curve="plots/finetune/${item.method}.csv", rows=True,
+              outs=("details/finetune/${item.method}.json", "models/finetune/${item.method}.pt",
+                    "memory/finetune/${item.method}.json", "plots/finetune/${item.method}.csv",
+                    "metrics/finetune/${item.method}.json", "plots/finetune/${item.method}_tensors.png"))
 
 PRETRAINED = Path("models/pretrained")
 INCOMING = Path("data/incoming")   # new labelled samples (class folders tracked by DVC): trained on with the target split
@@ -80,6 +88,17 @@ def main(args, params) -> None:
         run.log_history(result.run.train.history)
         for path in (*written, outputs["memory"], outputs["plots"], outputs["tensors"]):
             run.log_artifact(path)
+
+
+def summary_rows(inputs: RowInputs) -> list[MethodRow]:
+    """One row per fine-tuning run, in finetune.methods' order."""
+    rows = []
+    for key in [k for k in inputs.head if k.startswith("finetune/")]:
+        spec = key.split("/", 1)[1]
+        rows.append(training_row(finetune_label(spec, bool(inputs.plus("finetune"))), f"finetune@{spec}",
+                                 f"pretrained {inputs.finetune_model}", inputs.detail[key]["model"], inputs.head[key],
+                                 curve=STAGE.curve.replace(MATRIX_ITEM, spec), plotted=True))
+    return rows
 
 
 if __name__ == "__main__":

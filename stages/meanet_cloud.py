@@ -31,6 +31,11 @@ from edgeflux.models import count_params, eval_mode
 from edgeflux.tracking import save_model_dir, stage_run
 from edgeflux.train import resolve_device
 from stages.common import run_stage, stage_parser, write_metrics
+from stages.registry import Stage
+
+STAGE = Stage(name="meanet_cloud", section="meanet", side="cloud",
+              outs=("details/meanet_cloud.json", "models/meanet/main.pt", "models/meanet/hard_classes.json",
+                    "models/meanet/cloud", "metrics/meanet_cloud.json"))
 
 PRETRAINED = Path("models/pretrained")
 MAIN, HARD, CLOUD = Path("models/meanet/main.pt"), Path("models/meanet/hard_classes.json"), Path("models/meanet/cloud")

@@ -25,6 +25,12 @@ from edgeflux.meanet.train import joint_step_memory, train_edge
 from edgeflux.tracking import stage_run
 from edgeflux.train import resolve_device
 from stages.common import peak_rss_bytes, run_stage, stage_parser, write_history_csv, write_metrics, TRAINING_HEADLINE
+from stages.registry import Stage
+
+STAGE = Stage(name="meanet_edge", section="meanet", side="device", budgeted=True, incoming=True,
+              curve="plots/meanet_edge.csv",
+              outs=("details/meanet_edge.json", "models/meanet/edge.pt", "memory/meanet_edge.json",
+                    "plots/meanet_edge.csv", "metrics/meanet_edge.json"))
 
 MAIN, HARD, EDGE = Path("models/meanet/main.pt"), Path("models/meanet/hard_classes.json"), Path("models/meanet/edge.pt")
 PLOT, MEMORY = Path("plots/meanet_edge.csv"), Path("memory/meanet_edge.json")

@@ -14,6 +14,10 @@ from edgeflux.neuroflux.partition import partition, save_blocks
 from edgeflux.neuroflux.profile import load_profile
 from edgeflux.tracking import stage_run
 from stages.common import run_stage, stage_parser, write_metrics
+from stages.registry import Stage
+
+STAGE = Stage(name="partition", section="neuroflux", side="device", budgeted=True,
+              outs=("details/partition.json", "partition/blocks.json", "metrics/partition.json"))
 
 PROFILE, BLOCKS = Path("profile/memory.json"), Path("partition/blocks.json")
 

@@ -6,6 +6,10 @@ from pathlib import Path
 from edgeflux.data import load_raw, prepare, save_prepared
 from edgeflux.tracking import stage_run
 from stages.common import peak_rss_bytes, run_stage, stage_parser
+from stages.registry import Stage
+
+STAGE = Stage(name="prepare", section="data", side="cloud",
+              outs=("data/prepared",))
 
 OUT = Path("data/prepared")
 

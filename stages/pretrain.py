@@ -16,6 +16,10 @@ from edgeflux.models import build_model
 from edgeflux.tracking import stage_run
 from edgeflux.train import resolve_device
 from stages.common import headline, run_stage, stage_parser, write_metrics
+from stages.registry import Stage
+
+STAGE = Stage(name="pretrain", section="pretrain", side="cloud",
+              outs=("details/pretrain.json", "models/pretrained", "metrics/pretrain.json"))
 
 OUT = Path("models/pretrained")
 CHECKPOINTS = Path(".edgeflux/checkpoints/pretrain")

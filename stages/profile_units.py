@@ -17,6 +17,10 @@ from edgeflux.neuroflux.profile import profile_units, profiling_seconds, save_pr
 from edgeflux.tracking import stage_run
 from edgeflux.train import optimizer_factory, resolve_device
 from stages.common import run_stage, stage_parser, write_metrics
+from stages.registry import Stage
+
+STAGE = Stage(name="profile", section="neuroflux", side="device",
+              outs=("details/profile.json", "profile/memory.json", "metrics/profile.json", "profile/memory.png"))
 
 PROFILE, PLOT = Path("profile/memory.json"), Path("profile/memory.png")
 

@@ -14,19 +14,18 @@ import sys
 from pathlib import Path
 
 from edgeflux.report import memory_panels, plot_accuracy_vs_time, plot_bar_panels, time_to_target, read_curve
-from edgeflux.summary import method_rows, plot_pareto, rows_json, summary_markdown
+from edgeflux.summary import MethodRow, RowInputs, mark_pareto, plot_pareto, rows_json, summary_markdown
 from stages.common import DETAILS_DIR, METRICS_DIR, run_stage, stage_parser
+from stages.registry import Stage, budgeted_sections, stages
+
+STAGE = Stage(name="report", section="report", side="device",
+              outs=("reports/summary.md", "reports/summary.json", "reports/pareto.png",
+                    "reports/accuracy_vs_time.png", "reports/memory.png"))
 
 REPORTS = Path("reports")
 SUMMARY, SUMMARY_JSON, PARETO = REPORTS / "summary.md", REPORTS / "summary.json", REPORTS / "pareto.png"
 PLOT, MEMORY_PLOT = REPORTS / "accuracy_vs_time.png", REPORTS / "memory.png"
-# What the report reads (dvc.yaml lists the same as this stage's deps): each stage's headline and details.
-STAGES = ("pretrain", "train_bp", "train_blocks", "select_exit", "meanet_cloud", "meanet_edge", "evaluate_edge_cloud")
-CURVES = {"train_bp": Path("plots/train_bp.csv"), "train_blocks": Path("plots/train_blocks.csv"),
-          "select_exit": Path("plots/train_blocks.csv"), "meanet_edge": Path("plots/meanet_edge.csv")}
-FINETUNE_CURVES = Path("plots/finetune")   # <method>.csv
 TRAIN_BP_MEMORY = Path("memory/train_bp.json")
-BITTRAIN_SECTIONS = ("train_bp", "neuroflux", "finetune", "meanet")
 
 
 def read_existing(paths: dict[str, Path]) -> dict[str, dict]:
@@ -45,8 +44,23 @@ def show() -> None:
 
 
 def stage_files(methods: list[str]) -> list[str]:
-    """The stage names whose files the report reads: finetune runs as finetune/<method>."""
-    return [*STAGES, *(f"finetune/{m}" for m in methods)]
+    """The names of every stage's headline and details files (finetune runs as finetune/<method>)."""
+    return [f for s in stages() if s.name != STAGE.name for f in s.files(methods)]
+
+
+def row_inputs(params, head: dict, detail: dict) -> RowInputs:
+    bittrain = {s: bool(getattr(params, s) and getattr(params, s).bittrain.enabled) for s in budgeted_sections()}
+    return RowInputs(head, detail, bittrain, params.finetune.model if params.finetune else None)
+
+
+def collect_rows(inputs: RowInputs) -> list[MethodRow]:
+    """Every registered stage's rows, in dvc.yaml's order, with the Pareto front marked."""
+    return mark_pareto([row for s in stages() if s.rows for row in s.load_module().summary_rows(inputs)])
+
+
+def curves() -> list[Path]:
+    """The accuracy-vs-time files the report may read: each stage's curve (finetune's: its folder)."""
+    return [Path(s.curve).parent if s.matrix else Path(s.curve) for s in stages() if s.curve]
 
 
 def main(args, params) -> None:
@@ -62,20 +76,18 @@ def main(args, params) -> None:
         detail = read_existing({n: DETAILS_DIR / f"{n}.json" for n in names})
         # the parent run of this pipeline run gets every stage's headline, whichever stages reran
         run.log_pipeline_headline({name.replace("/", "@", 1): figures for name, figures in head.items()})
-        bittrain = {s: bool(getattr(params, s) and getattr(params, s).bittrain.enabled) for s in BITTRAIN_SECTIONS}
-        rows = method_rows(head, detail, bittrain, params.finetune.model if params.finetune else None)
-        curves = {**CURVES, **{f"finetune@{m}": FINETUNE_CURVES / f"{m}.csv" for m in methods}}
+        rows = collect_rows(row_inputs(params, head, detail))
         for row in rows:
-            if (curve := curves.get(row.stage)) is not None and curve.exists() and row.stage != "meanet_edge":
-                row.to_target_cpu_s = time_to_target(*read_curve(curve, x="cpu_s"), target)
-        budgets = {r.stage.split("@")[0]: r.budget_mib for r in rows if r.stage not in ("select_exit", "evaluate_edge_cloud")}
+            if row.curve is not None and Path(row.curve).exists():
+                row.to_target_cpu_s = time_to_target(*read_curve(Path(row.curve), x="cpu_s"), target)
+        budgeted = {s.name for s in stages() if s.budgeted}   # rows of other stages repeat a budgeted stage's budget
+        budgets = {r.stage.split("@")[0]: r.budget_mib for r in rows if r.stage.split("@")[0] in budgeted}
         REPORTS.mkdir(parents=True, exist_ok=True)
         SUMMARY.write_text(summary_markdown(rows, budgets, target) + _cloud_table(head.get("pretrain", {})))
         SUMMARY_JSON.write_text(json.dumps({"budgets_mib": budgets, "rows": rows_json(rows)}, indent=2) + "\n")
         shared = next(iter(set(budgets.values()))) if len(set(budgets.values())) == 1 else None
         plot_pareto(rows, PARETO, shared)
-        plot_accuracy_vs_time({r.method: curves[r.stage] for r in rows if r.stage in curves
-                               and r.stage not in ("select_exit", "meanet_edge")}, PLOT, target_acc=target)
+        plot_accuracy_vs_time({r.method: Path(r.curve) for r in rows if r.plotted}, PLOT, target_acc=target)
         if panels := memory_panels(**read_existing({"train_bp_memory": TRAIN_BP_MEMORY,
                                                     "train_blocks": DETAILS_DIR / "train_blocks.json"})):
             plot_bar_panels(panels, MEMORY_PLOT, title="edgeflux pipeline: measured training memory")

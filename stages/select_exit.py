@@ -20,7 +20,13 @@ from edgeflux.neuroflux.model import load_learners
 from edgeflux.neuroflux.plots import plot_exits
 from edgeflux.tracking import stage_run
 from edgeflux.train import evaluate
+from edgeflux.summary import MethodRow, RowInputs, training_row
 from stages.common import run_stage, stage_parser, write_metrics
+from stages.registry import Stage, by_name
+
+STAGE = Stage(name="select_exit", section="neuroflux", side="device", rows=True,
+              outs=("details/select_exit.json", "models/neuroflux_exit.pt", "metrics/select_exit.json",
+                    "plots/exits.png"))
 
 MODEL, TRAINED = Path("models/neuroflux_exit.pt"), Path("models/neuroflux.pt")
 PLOT = Path("plots/exits.png")
@@ -52,6 +58,16 @@ def main(args, params) -> None:
         run.log_model(compact, "neuroflux_exit", example=test[0][:2], registered_name="edgeflux-neuroflux-exit")
         for path in (*written, PLOT):
             run.log_artifact(path)
+
+
+def summary_rows(inputs: RowInputs) -> list[MethodRow]:
+    """The exit model trained as the full model (its curve, batches and peak) and keeps the units up to the exit."""
+    if "train_blocks" not in inputs.head or "select_exit" not in inputs.head:
+        return []
+    full, exit_ = inputs.detail["train_blocks"], inputs.detail["select_exit"]
+    return [training_row(f"NeuroFlux, exit {exit_['exit_unit']}" + inputs.plus("neuroflux"), "select_exit", "scratch",
+                         full["model"], inputs.head["train_blocks"], batch="/".join(map(str, full["batch_sizes"])),
+                         params=exit_["params"], test_acc=exit_["test_acc"], curve=by_name()["train_blocks"].curve)]
 
 
 if __name__ == "__main__":

@@ -19,11 +19,18 @@ from edgeflux.neuroflux.profile import load_profile
 from edgeflux.neuroflux.worker import train_blocks
 from edgeflux.tracking import stage_run
 from edgeflux.train import resolve_device
+from edgeflux.summary import MethodRow, RowInputs, training_row
 from stages.common import peak_rss_bytes, run_stage, stage_parser, write_history_csv, write_metrics
+from stages.registry import Stage
+
+STAGE = Stage(name="train_blocks", section="neuroflux", side="device", budgeted=True,
+              curve="plots/train_blocks.csv", rows=True,
+              outs=("details/train_blocks.json", "cache/neuroflux", "models/neuroflux.pt", "plots/train_blocks.csv",
+                    "metrics/train_blocks.json"))
 
 BLOCKS, PROFILE = Path("partition/blocks.json"), Path("profile/memory.json")
 CACHE, CHECKPOINTS = Path("cache/neuroflux"), Path(".edgeflux/checkpoints/neuroflux")
-MODEL, PLOT = Path("models/neuroflux.pt"), Path("plots/train_blocks.csv")
+MODEL, PLOT = Path("models/neuroflux.pt"), Path(STAGE.curve)
 
 
 def main(args, params) -> None:
@@ -76,6 +83,15 @@ def main(args, params) -> None:
                          for row in result.history])
         for path in (*written, PLOT):
             run.log_artifact(path)
+
+
+def summary_rows(inputs: RowInputs) -> list[MethodRow]:
+    if "train_blocks" not in inputs.head:
+        return []
+    detail = inputs.detail["train_blocks"]
+    return [training_row("NeuroFlux, full model" + inputs.plus("neuroflux"), "train_blocks", "scratch", detail["model"],
+                         inputs.head["train_blocks"], batch="/".join(map(str, detail["batch_sizes"])),
+                         curve=STAGE.curve, plotted=True)]
 
 
 if __name__ == "__main__":

@@ -16,9 +16,16 @@ from edgeflux.data import load_prepared, tensors
 from edgeflux.models import build_model
 from edgeflux.tracking import stage_run
 from edgeflux.train import resolve_device
+from edgeflux.summary import MethodRow, RowInputs, training_row
 from stages.common import peak_rss_bytes, run_stage, stage_parser, write_history_csv, write_metrics
+from stages.registry import Stage
 
-PLOT, MEMORY = Path("plots/train_bp.csv"), Path("memory/train_bp.json")
+STAGE = Stage(name="train_bp", section="train_bp", side="device", budgeted=True, curve="plots/train_bp.csv",
+              rows=True,
+              outs=("details/train_bp.json", "models/train_bp.pt", "memory/train_bp.json", "plots/train_bp.csv",
+                    "metrics/train_bp.json"))
+
+PLOT, MEMORY = Path(STAGE.curve), Path("memory/train_bp.json")
 MODEL, CHECKPOINT = Path("models/train_bp.pt"), Path(".edgeflux/checkpoints/train_bp.pt")
 
 
@@ -43,6 +50,13 @@ def main(args, params) -> None:
         run.log_history(result.train.history)
         for path in (*written, MEMORY, PLOT):
             run.log_artifact(path)
+
+
+def summary_rows(inputs: RowInputs) -> list[MethodRow]:
+    if "train_bp" not in inputs.head:
+        return []
+    return [training_row("backprop" + inputs.plus("train_bp"), "train_bp", "scratch", inputs.detail["train_bp"]["model"],
+                         inputs.head["train_bp"], curve=STAGE.curve, plotted=True)]
 
 
 if __name__ == "__main__":

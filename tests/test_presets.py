@@ -24,8 +24,11 @@ def test_every_shipped_preset_makes_valid_params_under_its_budget():
         assert preset.name == name and preset.description
         params = validate(merge(base, preset.params), where=f"preset {name}")
         budgets = {params.train_bp.budget, params.neuroflux.budget, params.finetune.budget, params.meanet.budget}
-        assert len(budgets) == 1, f"{name}: every method under the same budget, got {budgets}"
-        assert params.train_bp.device == params.neuroflux.device == params.finetune.device == params.meanet.device
+        assert budgets == {params.device.budget}, f"{name}: every method under the device's budget, got {budgets}"
+        assert {params.train_bp.device, params.neuroflux.device, params.finetune.device,
+                params.meanet.device} == {params.device.device}
+        assert not [k for k in preset.params if k.split(".")[0] in ("train_bp", "neuroflux", "finetune", "meanet")
+                    and k.split(".")[1] in ("device", "budget", "max_batch")], f"{name}: say it once, in device.*"
 
 
 def test_merge_dotted_keys_and_sections_without_touching_the_input():
@@ -46,12 +49,12 @@ def test_set_params_keeps_comments_and_changes_only_the_overridden_values(tmp_pa
     after = path.read_text()
     assert "# units: B, KB, MB, GB" in after and after.count("#") == before.count("#")
     params = yaml.safe_load(after)
-    assert params["train_bp"]["budget"] == "256MB" and params["train_bp"]["epochs"] == 1
-    assert params["neuroflux"]["cache"]["storage"] == "float16" and params["meanet"]["device"] == "cpu"
+    assert params["device"]["budget"] == "256MB" and params["train_bp"]["epochs"] == 1
+    assert params["neuroflux"]["cache"]["storage"] == "float16" and params["device"]["device"] == "cpu"
     changed = [(a, b) for a, b in zip(before.splitlines(), after.splitlines()) if a != b]
     assert len(before.splitlines()) == len(after.splitlines())
-    # 4 devices, 4 budgets, 4 batch limits and the epochs; cache.storage is float16 there already
-    assert len(changed) == 13, changed
+    # the device, its budget, batch limit and threads, and the epochs; cache.storage is float16 there already
+    assert len(changed) == 5, changed
     assert all(a.split(":")[0] == b.split(":")[0] for a, b in changed)
 
 
@@ -62,8 +65,8 @@ def test_bad_presets_are_refused_naming_the_problem(tmp_path):
     bad.write_text("description: x\nthread: 4\n")
     with pytest.raises(PresetError, match=r"bad.yaml: not a valid preset: thread: Extra inputs"):
         load_preset(str(bad))
-    bad.write_text("description: x\nthreads: 0\n")
-    with pytest.raises(PresetError, match="threads: Input should be greater than or equal to 1"):
+    bad.write_text("description: x\nthreads: 4\n")
+    with pytest.raises(PresetError, match=r"threads: Extra inputs"):   # a param now: device.threads
         load_preset(str(bad))
 
 
@@ -82,9 +85,9 @@ def test_check_reports_a_bad_override_in_one_line_per_problem(tmp_path):
     assert ok.returncode == 0 and "valid" in ok.stdout
 
 
-def test_preset_env_sets_threads_and_names_the_preset():
-    assert load_preset("pi4", PRESETS).env() == {"EDGEFLUX_PRESET": "pi4", "OMP_NUM_THREADS": "4"}
-    assert load_preset("laptop", PRESETS).env() == {"EDGEFLUX_PRESET": "laptop"}
+def test_preset_env_names_the_preset_and_its_threads_are_a_param():
+    assert load_preset("pi4", PRESETS).env() == {"EDGEFLUX_PRESET": "pi4"}
+    assert load_preset("pi4", PRESETS).params["device.threads"] == 4
 
 
 def test_the_docs_table_says_what_the_preset_files_hold():
@@ -95,7 +98,8 @@ def test_the_docs_table_says_what_the_preset_files_hold():
     for name, cells in table.items():
         preset = load_preset(name, PRESETS)
         budget, batch, threads, device = cells[2:6]
-        assert budget.replace(" ", "") == preset.params["train_bp.budget"], name
-        assert int(batch) == preset.params["train_bp.max_batch"], name
-        assert threads == (str(preset.threads) if preset.threads else "torch's default"), name
-        assert device == preset.params["train_bp.device"], name
+        assert budget.replace(" ", "") == preset.params["device.budget"], name
+        assert int(batch) == preset.params["device.max_batch"], name
+        assert threads == (str(preset.params["device.threads"]) if preset.params["device.threads"]
+                           else "torch's default"), name
+        assert device == preset.params["device.device"], name

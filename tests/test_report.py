@@ -28,9 +28,15 @@ def _stage_files():
     return head, detail
 
 
-def test_every_method_gets_a_row_with_its_own_figures():
-    from edgeflux.summary import method_rows
+def method_rows(head, detail, bittrain, finetune_model):
+    """The report's rows: every registered stage's summary_rows, in dvc.yaml's order."""
+    from edgeflux.summary import RowInputs
+    from stages.report import collect_rows
 
+    return collect_rows(RowInputs(head, detail, bittrain, finetune_model))
+
+
+def test_every_method_gets_a_row_with_its_own_figures():
     head, detail = _stage_files()
     rows = {r.method: r for r in method_rows(head, detail, {"finetune": False, "neuroflux": True}, "mobilenet_v2-w0.5")}
     assert list(rows) == ["backprop", "NeuroFlux, full model + BitTrain", "NeuroFlux, exit conv6 + BitTrain",
@@ -55,7 +61,7 @@ def test_pareto_front_is_the_rows_no_other_row_dominates():
 
 
 def test_summary_says_whether_the_methods_shared_one_budget(tmp_path):
-    from edgeflux.summary import method_rows, plot_pareto, summary_markdown
+    from edgeflux.summary import plot_pareto, summary_markdown
 
     head, detail = _stage_files()
     rows = method_rows(head, detail, {}, "mobilenet_v2-w0.5")
@@ -104,8 +110,7 @@ def test_report_stage_reads_the_files_dvc_yaml_lists_as_its_deps():
 
     deps = yaml.safe_load((Path(__file__).resolve().parents[1] / "dvc.yaml").read_text())["stages"]["report"]["deps"]
     data_deps = {Path(d) for d in deps if not d.startswith(("stages/", "edgeflux/"))}
-    reads = {report.METRICS_DIR, report.DETAILS_DIR, *report.CURVES.values(), report.FINETUNE_CURVES,
-             report.TRAIN_BP_MEMORY}
+    reads = {report.METRICS_DIR, report.DETAILS_DIR, *report.curves(), report.TRAIN_BP_MEMORY}
     assert reads == data_deps
 
 
