@@ -298,7 +298,11 @@ def test_stage_graph_is_read_from_dvc_yaml():
 
 
 # Code that never changes what a stage writes: atomic file writes, MLflow logging, the stage runner.
-PLUMBING = {"edgeflux/artifacts.py", "edgeflux/tracking.py", "stages/common.py"}
+PLUMBING = {"edgeflux/artifacts.py", "edgeflux/tracking", "stages/common.py"}
+
+
+def _plumbing(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in PLUMBING)
 
 
 def _imported_files(script: Path) -> set[str]:
@@ -336,7 +340,7 @@ def _library_closure(files: set[str]) -> set[str]:
         if name in seen:
             continue
         seen.add(name)
-        if paths[name] not in PLUMBING | {"edgeflux/config.py"}:
+        if not _plumbing(paths[name]) and paths[name] != "edgeflux/config.py":
             todo += edges.get(name, ())
     return files | {paths[n] for n in seen}
 
@@ -358,7 +362,8 @@ def test_every_stage_depends_on_the_code_it_runs():
         deps = [d if isinstance(d, str) else next(iter(d)) for d in stage.get("deps", [])]
         cmd = stage["cmd"].split()
         module = cmd[cmd.index("-m") + 1]
-        needed = _library_closure(_imported_files(REPO / (module.replace(".", "/") + ".py"))) - PLUMBING
+        needed = {f for f in _library_closure(_imported_files(REPO / (module.replace(".", "/") + ".py")))
+                  if not _plumbing(f)}
         if stage.get("params"):   # params are read, checked and defaulted by edgeflux/config.py
             needed.add("edgeflux/config.py")
         missing = {f for f in needed if not any(f == d or f.startswith(d.rstrip("/") + "/") for d in deps)}

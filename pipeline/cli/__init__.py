@@ -1,0 +1,69 @@
+"""The `edgeflux` command: what a user does with the project, each a thin wrapper over the tool that does it.
+
+    edgeflux run --preset pi4 --budget 200MB      # params.yaml updated (comments kept), `dvc repro`, the summary
+    edgeflux run --exp big --budget 300MB         # the same as a DVC experiment: `dvc exp run -n big -S ...`
+    edgeflux status                               # stages up to date / stale / running (DVC + MLflow)
+    edgeflux compare --last 3                     # recent pipeline runs side by side (MLflow), and a plot
+    edgeflux report --open                        # reports/summary.md, then the report opened
+    edgeflux servers | worker --pool pi | serve-cloud   # pipeline.servers and pipeline.cloud, unchanged
+
+The tools stay the source of truth: DVC decides what is stale and runs the stages, MLflow holds the runs,
+Prefect runs the workers; their output is streamed, not captured, and their exit code is this command's.
+Heavy imports (mlflow, matplotlib; torch, which validating params needs) happen inside the subcommand that
+needs them, so `--help` answers at once. One module per subcommand (run, status, compare, report; forward:
+servers, worker, serve-cloud), what they share in common.py. docs/cli.md has more examples.
+"""
+from __future__ import annotations
+
+import sys
+
+from edgeflux.presets import PresetError
+
+from .common import RAW, Parser, UsageError, wrap
+from .compare import add_compare
+from .forward import FORWARDED
+from .report import add_report
+from .run import BUDGET_KEYS, add_run
+from .status import add_status
+
+__all__ = ["BUDGET_KEYS", "Parser", "UsageError", "build_parser", "main"]
+
+TOP_EXAMPLES = """\
+examples:
+  edgeflux run --preset pi4 --budget 200MB       # the pipeline as a Raspberry Pi 4 runs it, every method at 200 MB
+  edgeflux run --exp big --budget 300MB          # the same as a DVC experiment
+  edgeflux status                                # up to date / stale (what changed) / running, per stage
+  edgeflux compare --last 2                      # two pipeline runs side by side; reports/compare.png
+  edgeflux report --open                         # the summary, and its plots opened
+  edgeflux servers --host 0.0.0.0 --deploy       # cloud host: Prefect + MLflow servers
+  edgeflux worker --pool pi --device-id pi-01    # device: a Prefect worker in this clone
+  edgeflux serve-cloud                           # MEANet's cloud model over HTTP
+
+`edgeflux COMMAND --help` gives each command's flags and examples; docs/cli.md has more.
+"""
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="edgeflux", formatter_class=RAW, epilog=TOP_EXAMPLES,
+                    description=wrap("Train CNNs on edge devices under a memory budget: the pipeline (DVC), "
+                                     "its runs (MLflow), its servers and workers (Prefect)."))
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_run(sub)
+    add_status(sub)
+    add_compare(sub)
+    add_report(sub)
+    for name, (text, _) in FORWARDED.items():   # listed here; their own parsers read their flags
+        sub.add_parser(name, help=text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in FORWARDED:
+        return FORWARDED[argv[0]][1](argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (UsageError, PresetError) as exc:
+        print(f"edgeflux {args.command}: error: {exc}", file=sys.stderr)
+        return 2

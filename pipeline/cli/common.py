@@ -1,0 +1,63 @@
+"""What every subcommand shares: the parser class, one-line usage errors, the --tracking-uri flag, reading
+MLflow's runs."""
+from __future__ import annotations
+
+import argparse
+import os
+import textwrap
+from datetime import UTC, datetime
+
+RAW = argparse.RawDescriptionHelpFormatter
+
+
+def wrap(text: str) -> str:
+    return textwrap.fill(text, 96)   # descriptions: the raw formatter (which keeps the examples' layout) wraps nothing
+
+
+class UsageError(Exception):
+    """A bad argument or input, reported as one line (exit 2) before anything runs."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: scripts and people read one line; the usage is one --help away."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def tracking_uri_flag(p) -> None:
+    p.add_argument("--tracking-uri", metavar="URI", help="the MLflow store or server, e.g. http://cloud:5000 "
+                   "(default: $MLFLOW_TRACKING_URI, else sqlite mlflow.db at the project root)")
+
+
+def _iso(ms: int | None) -> str | None:
+    return datetime.fromtimestamp(ms / 1000, UTC).astimezone().isoformat(timespec="seconds") if ms else None
+
+
+def local_time(iso: str | None) -> str:
+    return (iso or "-")[:19].replace("T", " ")   # local time to the second, for tables
+
+
+def mlflow_client(uri: str):
+    # a CLI should not retry an unreachable server for minutes (MLflow's defaults): a few tries, then say so
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(uri)
+
+
+def store_missing(uri: str) -> bool:
+    """A sqlite store not created yet: reading it would create an empty one (and its migrations)."""
+    from edgeflux.tracking.store import sqlite_file
+
+    db = sqlite_file(uri)
+    return db is not None and not db.exists()
+
+
+def run_info(run) -> dict:
+    tags = run.data.tags
+    return {"run_id": run.info.run_id, "name": run.info.run_name, "status": run.info.status,
+            "start_time": _iso(run.info.start_time), "end_time": _iso(run.info.end_time),
+            "preset": tags.get("edgeflux.preset"), "dvc_exp": tags.get("edgeflux.dvc_exp"),
+            "host": tags.get("edgeflux.host") or tags.get("host")}

@@ -1,0 +1,241 @@
+"""`edgeflux run`: a device preset and overrides applied to params.yaml, then `dvc repro`; or, with --exp,
+the same as a DVC experiment (`dvc exp run -S`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from edgeflux.presets import Preset, available, load_preset, merge, set_params
+
+from .common import RAW, UsageError, wrap
+
+PARAMS = Path("params.yaml")
+# --budget: every method's budget at once, so the report compares them under the same one
+BUDGET_KEYS = ("train_bp.budget", "neuroflux.budget", "finetune.budget", "meanet.budget")
+CHECKED = "params.yaml + overrides"   # how a validation error names the file it checked (a temporary copy)
+
+
+def _budget(text: str) -> str:
+    from edgeflux.options import parse_bytes   # light: no torch
+
+    try:
+        parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _parse_set(text: str) -> tuple[str, Any]:
+    """KEY=VALUE, the value read as YAML (as in params.yaml: 1 is a number, [1, 2] a list, 200MB text)."""
+    key, sep, value = text.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z_][\w-]*(\.[A-Za-z_][\w-]*)*", key.strip()):
+        raise UsageError(f"--set {text!r}: expected KEY=VALUE with a dotted key, e.g. train_bp.epochs=1")
+    try:
+        return key.strip(), yaml.safe_load(value)
+    except yaml.YAMLError as exc:
+        raise UsageError(f"--set {text!r}: the value is not valid YAML ({str(exc).splitlines()[0]})") from None
+
+
+def collect_overrides(args: argparse.Namespace, preset: Preset | None, params: dict) -> dict[str, tuple[Any, str]]:
+    """{key: (value, where it came from)}, in the order they apply: the preset's, --budget, then --set
+    (the most specific wins; a later key moves to the end so that it also applies last)."""
+    layers = [(preset.params if preset else {}, f"preset {preset and preset.name}"),
+              ({k: args.budget for k in BUDGET_KEYS if k.split(".")[0] in params} if args.budget else {}, "--budget"),
+              (dict(_parse_set(text) for text in args.overrides), "--set")]
+    out: dict[str, tuple[Any, str]] = {}
+    for values, source in layers:
+        for key, value in values.items():
+            out.pop(key, None)
+            out[key] = (value, source)
+    return out
+
+
+def check_params(merged: dict) -> None:
+    """Validate params as the stages will (edgeflux.config); UsageError with its message, one line per problem.
+
+    In a child process (`python -m edgeflux.presets check`): validation imports torch (~350 MB, seconds on a
+    Pi) and this process then waits on `dvc repro` for hours. When this process has it already (tests, a
+    notebook), the same check runs here."""
+    if "edgeflux.config" in sys.modules:
+        from edgeflux.config import ParamsError, validate
+
+        try:
+            validate(merged, where=CHECKED)
+        except ParamsError as exc:
+            raise UsageError(str(exc)) from None
+        return
+    with tempfile.TemporaryDirectory(prefix="edgeflux-params-") as tmp:
+        path = Path(tmp) / "params.yaml"
+        path.write_text(yaml.safe_dump(merged, sort_keys=False))
+        check = subprocess.run([sys.executable, "-m", "edgeflux.presets", "check", str(path)],
+                               check=False, capture_output=True, text=True)
+    if check.returncode != 0:
+        raise UsageError((check.stderr.strip() or check.stdout.strip() or "params check failed")
+                         .replace(str(path), CHECKED))
+
+
+_MISSING = object()
+
+
+def _lookup(params: dict, key: str) -> Any:
+    node: Any = params
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def _hydra(value: Any) -> str:
+    """A value in Hydra's override grammar, which `dvc exp run -S` parses (quoted where Hydra would read the
+    text as another type, or as a sweep: a comma)."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ",".join(map(_hydra, value)) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_hydra(v)}" for k, v in value.items()) + "}"
+    text = str(value)
+    plain = re.fullmatch(r"[\w.\-/]+", text) and yaml.safe_load(text) == text
+    try:
+        float(text.replace("_", ""))   # Hydra reads 1e3, 1_000, inf, nan as numbers
+        plain = False
+    except ValueError:
+        pass
+    return text if plain else '"' + text.replace('"', '\\"') + '"'
+
+
+def set_args(params: dict, key: str, value: Any) -> list[str]:
+    """The -S arguments for one override. A mapping onto a section merges into it (as set_params does), so it
+    becomes one argument per leaf; a key params.yaml lacks is added with Hydra's `+`."""
+    current = _lookup(params, key)
+    if isinstance(value, dict) and isinstance(current, dict):
+        return [arg for k, v in value.items() for arg in set_args(params, f"{key}.{k}", v)]
+    return [f"{'+' if current is _MISSING else ''}{key}={_hydra(value)}"]
+
+
+def run_command(args: argparse.Namespace, params: dict, overrides: dict[str, Any]) -> list[str]:
+    """The DVC command line (argv[0] "dvc": the venv's, first on the PATH of venv_env)."""
+    if not args.exp:
+        return ["dvc", "repro", *args.targets]
+    sets = [arg for key, value in overrides.items() for arg in set_args(params, key, value)]
+    return ["dvc", "exp", "run", "-n", args.exp, *(["--temp"] if args.temp else []),
+            *[part for s in sets for part in ("-S", s)], *args.targets]
+
+
+def print_plan(args, preset: Preset | None, overrides: dict[str, tuple[Any, str]], env: dict, command: list[str]):
+    if preset:
+        print(f"preset {preset.name}: {preset.description}")
+    if overrides:
+        width = max(len(k) for k in overrides)
+        print("overrides:")
+        for key, (value, source) in overrides.items():
+            print(f"  {key:<{width}} = {json.dumps(value)}   ({source})")
+        print("params.yaml: " + ("left to DVC, which applies the overrides in the experiment" if args.exp
+                                 else "these values " + ("would be " if args.dry_run else "") + "written in "
+                                 "place, comments kept"))
+    if env:
+        print("env: " + " ".join(f"{k}={v}" for k, v in env.items()))
+    print(f"$ {shlex.join(command)}", flush=True)
+
+
+def call(command: list[str], env: dict[str, str]) -> int:
+    """Run a tool with its output streamed; its exit code (128 + N when signal N ended it, as a shell says).
+    Ctrl-C reaches the tool too (same process group): wait for it to stop cleanly; a second one stops it."""
+    try:
+        proc = subprocess.Popen(command, env=env)
+    except FileNotFoundError:
+        raise UsageError(f"{command[0]} not found: install the project (pip install -e .) in this environment") from None
+    try:
+        try:
+            rc = proc.wait()
+        except KeyboardInterrupt:
+            rc = proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        rc = proc.wait()
+    return 128 - rc if rc < 0 else rc
+
+
+def show_summary(args: argparse.Namespace) -> None:
+    if args.exp and args.temp:   # the results are in the experiment, not in this workspace
+        print(f"experiment {args.exp}: `dvc exp show`, `edgeflux compare`; `dvc exp apply {args.exp}` brings it here")
+        return
+    if Path("reports/summary.md").exists():   # a run of other stages only may have written none yet
+        from stages.report import show
+
+        show()
+    print("compare with earlier runs: edgeflux compare" + ("; DVC's view: dvc exp show" if args.exp else ""))
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    if args.temp and not args.exp:
+        raise UsageError("--temp needs --exp NAME (it runs the experiment in a temporary copy)")
+    preset = load_preset(args.preset) if args.preset else None
+    if not PARAMS.is_file():
+        raise UsageError(f"{PARAMS} not found: run edgeflux from the project's root (where dvc.yaml is)")
+    params = yaml.safe_load(PARAMS.read_text()) or {}
+    sourced = collect_overrides(args, preset, params)
+    overrides = {k: v for k, (v, _) in sourced.items()}
+    check_params(merge(params, overrides))    # before anything runs or params.yaml changes
+    if not args.targets and preset and preset.stages:
+        args.targets = list(preset.stages)
+    command = run_command(args, params, overrides)
+    env = preset.env() if preset else {}      # threads; EDGEFLUX_PRESET tags the MLflow runs
+    print_plan(args, preset, sourced, env, command)
+    if args.dry_run:
+        return 0
+    if not args.exp:
+        set_params(overrides, PARAMS)
+    from pipeline.service import venv_env   # offline, the venv's dvc and python first on PATH
+
+    rc = call(command, venv_env(env))
+    if rc == 0:
+        show_summary(args)
+    return rc
+
+
+RUN_EXAMPLES = """\
+examples:
+  edgeflux run                                   # dvc repro: every stage that is not up to date
+  edgeflux run --preset pi4                      # a Raspberry Pi 4's params and threads (presets/pi4.yaml)
+  edgeflux run --preset pi4 --budget 200MB train_bp   # every method under 200 MB; train_bp and what it needs
+  edgeflux run --set train_bp.epochs=1 --set neuroflux.cache.storage=dense
+  edgeflux run --exp pi4-200MB --preset pi4 --budget 200MB   # a DVC experiment: dvc exp run -n ... -S ...
+  edgeflux run --dry-run --preset jetson-nano    # print the overrides and the dvc command, run nothing
+"""
+
+
+def add_run(sub) -> None:
+    p = sub.add_parser("run", help="run the pipeline (dvc repro), or a DVC experiment with --exp",
+                       description=wrap("Apply a device preset and overrides to params.yaml, then run the stages "
+                                        "that are not up to date (dvc repro); or, with --exp, run them as a DVC "
+                                        "experiment with the overrides given to DVC (dvc exp run -S)."),
+                       epilog=RUN_EXAMPLES, formatter_class=RAW)
+    p.add_argument("targets", nargs="*", metavar="STAGE",
+                   help="stages to run, with what they need (default: every stage, or the preset's)")
+    p.add_argument("--preset", metavar="NAME", help=f"device preset: {', '.join(available()) or 'none in presets/'} "
+                   "(presets/NAME.yaml), or the path of a preset file: its params and its thread count")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="set one param, dotted key, YAML value (repeatable; wins over --preset and --budget), "
+                        "e.g. train_bp.epochs=1")
+    p.add_argument("--budget", type=_budget, metavar="SIZE",
+                   help="every method's memory budget at once (" + ", ".join(BUDGET_KEYS) + "), e.g. 200MB or 1GiB")
+    p.add_argument("--exp", metavar="NAME", help="run as the DVC experiment NAME (dvc exp run -n NAME -S ...): "
+                   "edgeflux leaves params.yaml to DVC, which applies the overrides in the experiment")
+    p.add_argument("--temp", action="store_true",
+                   help="with --exp: run it in a temporary copy (dvc exp run --temp), leaving this workspace as it is")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the overrides and the dvc command; change and run nothing")
+    p.set_defaults(func=cmd_run)
