@@ -35,13 +35,14 @@ from edgeflux.presets import Preset, PresetError, load_preset, set_params
 from pipeline.settings import offline_env
 from pipeline.sync import (command, dvc_pull, dvc_push, git_publish, git_pull, split_by_store, stage_group,
                            stage_outputs)
+from stages import registry
 
 os.environ.update(offline_env())   # before prefect reads its settings: no telemetry, no heartbeat traceback
 from prefect import flow, get_run_logger, task  # noqa: E402
 from prefect.runtime import flow_run  # noqa: E402
 
-CLOUD_STAGES = ("prepare", "pretrain", "meanet_cloud")   # the rest of dvc.yaml runs on the device
-RETRAIN_STAGES = ("finetune", "meanet_edge")               # the stages that read data/incoming
+CLOUD_STAGES = registry.names("cloud")           # the rest of dvc.yaml runs on the device
+RETRAIN_STAGES = registry.names(incoming=True)  # the stages that read data/incoming
 INCOMING = "data/incoming"
 ACTIVATION_CACHE = "cache/neuroflux"
 

@@ -25,38 +25,42 @@ import yaml
 
 from pipeline.servers import MLflowServer, PrefectServer, PrefectWorker
 from pipeline.service import venv_env
+from stages import registry
 
 log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[1]
 PI = "pi-01"
-DEVICE_STAGES = ["train_bp", "profile", "partition", "train_blocks", "select_exit", "meanet_edge"]
+# What the sandbox's device run executes: every device stage but fine-tuning's runs (five methods) and the
+# edge-cloud evaluation (it starts a model server) and the report, to keep the run short.
+DEVICE_STAGES = [s for s in registry.names("device") if s not in ("finetune", "evaluate_edge_cloud", "report")]
 
 # CI-sized params: tiny models and datasets, one epoch, CPU; every stage still runs its real code.
 QUICK = {
     "data": {"dataset": "mnist-subset", "seed": 0},
+    # every budgeted stage runs on the CPU, batches up to 64; the budgets differ per stage, as their tiny models do
+    "device": {"device": "cpu", "max_batch": 64},
     "pretrain": {"models": [{"name": "vgg11", "width": 0.125}, {"name": "mobilenet_v2", "width": 0.25}], "epochs": 1,
                  "max_train_samples": 400, "batch_size": 64, "evals_per_epoch": 1, "device": "cpu"},
     "finetune": {"model": "mobilenet_v2-w0.25", "methods": ["mobiletl", "ft_all", "elastic", "mobiletl-bittrain", "elastic-mobiletl"],
-                 "budget": "8MB",
-                 "max_batch": 64, "epochs": 1, "max_train_samples": 400, "evals_per_epoch": 1, "calibration_batches": 2,
-                 "elastic": {"rho": 0.7, "repeats": 1}, "device": "cpu"},
-    "train_bp": {"model": {"name": "vgg11", "width": 0.125}, "budget": "3MB", "max_batch": 64, "epochs": 1,
-                 "max_train_samples": 400, "evals_per_epoch": 2, "device": "cpu"},
-    "neuroflux": {"model": {"name": "vgg11", "width": 0.125}, "budget": "2MB", "max_batch": 64, "epochs": 1,
+                 "budget": "8MB", "epochs": 1, "max_train_samples": 400, "evals_per_epoch": 1, "calibration_batches": 2,
+                 "elastic": {"rho": 0.7, "repeats": 1}},
+    "train_bp": {"model": {"name": "vgg11", "width": 0.125}, "budget": "3MB", "epochs": 1,
+                 "max_train_samples": 400, "evals_per_epoch": 2},
+    "neuroflux": {"model": {"name": "vgg11", "width": 0.125}, "budget": "2MB", "epochs": 1,
                   "max_train_samples": 400, "evals_per_epoch": 1, "profile_batches": [8, 16, 32], "min_r2": 0.9,
-                  "cache": {"storage": "float16", "threshold": 0.0, "shard_size": "256KiB"}, "device": "cpu"},
+                  "cache": {"storage": "float16", "threshold": 0.0, "shard_size": "256KiB"}},
     "meanet": {"main": "mobilenet_v2-w0.25", "cloud": "vgg11-w0.125", "extension_blocks": 1, "budget": "8MB",
                "max_batch": 32, "epochs": 1, "max_train_samples": 400, "evals_per_epoch": 1, "max_test_samples": 200,
-               "sweep": 3, "device": "cpu"},
+               "sweep": 3},
 }
 
 
 # The pi pool's preset here: the shipped ones size a real device (256 MB budgets, 4 threads); this one keeps
 # QUICK's sizes and one torch thread per stage, and changes one visible value, so tests see it applied.
 CI_PRESET = "ci-pi"
-CI_PRESET_FILE = {"description": "the sandbox's Raspberry Pi: QUICK's sizes, one torch thread", "threads": 1,
-                  "params": {"train_bp.evals_per_epoch": 1}}
+CI_PRESET_FILE = {"description": "the sandbox's Raspberry Pi: QUICK's sizes, one torch thread",
+                  "params": {"device.threads": 1, "train_bp.evals_per_epoch": 1}}
 
 
 class SandboxError(RuntimeError):

@@ -79,7 +79,9 @@ def run_stage(main: Callable[[argparse.Namespace, Params], None], parser: argpar
     try:
         _die_with_parent()
         with _exclusive(name or Path(main.__code__.co_filename).stem):
-            main(args, load_params(args.params))
+            params = load_params(args.params)
+            _set_threads(params.device.threads)
+            main(args, params)
     except USER_ERRORS as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         sys.exit(2)
@@ -93,6 +95,14 @@ def run_stage(main: Callable[[argparse.Namespace, Params], None], parser: argpar
         again = "to resume from its last checkpoint" if resumes else "to run it again (it keeps no checkpoint)"
         print(f"\ninterrupted ({signal.Signals(signum).name}): run the stage again (dvc repro) {again}", file=sys.stderr)
         sys.exit(128 + signum)
+
+
+def _set_threads(threads: int | None) -> None:
+    """device.threads: torch's intra-op threads for this stage (None keeps torch's default, one per core)."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 def _machine_error(exc: OSError) -> str:

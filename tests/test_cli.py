@@ -24,12 +24,13 @@ from pipeline.sandbox import GIT_IDENTITY, git_env, sh
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 
-# Each stage writes what it ran with: the param it reads, a budget, and the environment the CLI gave it.
+# Each stage writes what it ran with: the param it reads, the device's budget and threads, and the environment
+# the CLI gave it.
 STAGE = ("python -c \"import os, yaml; p = yaml.safe_load(open('params.yaml')); e = os.environ.get; "
-         "open('target.txt', 'w').write(' '.join(map(str, [p['report']['target_acc'], p['train_bp']['budget'], "
-         "e('EDGEFLUX_PRESET'), e('OMP_NUM_THREADS'), e('DVC_EXP_NAME')])))\"")
+         "open('target.txt', 'w').write(' '.join(map(str, [p['report']['target_acc'], p['device']['budget'], "
+         "e('EDGEFLUX_PRESET'), p['device']['threads'], e('DVC_EXP_NAME')])))\"")
 DVC_YAML = {"stages": {
-    "target": {"cmd": STAGE, "params": ["report.target_acc", "train_bp.budget"], "outs": ["target.txt"]},
+    "target": {"cmd": STAGE, "params": ["report.target_acc", "device.budget", "device.threads"], "outs": ["target.txt"]},
     "other": {"cmd": "echo other > other.txt", "outs": ["other.txt"]},
     # runs until the test creates `go`: a stage that is running while `status` looks
     "wait": {"cmd": "while [ ! -e go ]; do sleep 0.1; done; echo > wait.txt", "outs": ["wait.txt"]},
@@ -106,19 +107,19 @@ def test_dry_run_prints_the_overrides_and_the_dvc_command_and_changes_nothing(pr
     rc, out, err = run_cli(capsys, "run", "--dry-run", "--preset", "pi4", "--set", "train_bp.epochs=1",
                            "--budget", "200MB")
     assert rc == 0, err
-    assert "$ dvc repro\n" in out and "env: EDGEFLUX_PRESET=pi4 OMP_NUM_THREADS=4" in out
+    assert "$ dvc repro\n" in out and "env: EDGEFLUX_PRESET=pi4" in out
     lines = {ln.split("=")[0].strip(): ln for ln in out.splitlines() if ln.startswith("  ")}
-    assert '= 1   (--set)' in lines["train_bp.epochs"] and '"cpu"   (preset pi4)' in lines["train_bp.device"]
-    for key in cli.BUDGET_KEYS:   # --budget wins over the preset's 256MB, for every method
-        assert '"200MB"   (--budget)' in lines[key], lines[key]
-    assert "256MB" not in out
+    assert '= 1   (--set)' in lines["train_bp.epochs"] and '"cpu"   (preset pi4)' in lines["device.device"]
+    assert '= 4   (preset pi4)' in lines["device.threads"]
+    # --budget wins over the preset's 256MB: one key, which every method inherits
+    assert '"200MB"   (--budget)' in lines[cli.BUDGET_KEY] and "256MB" not in out
 
     rc, out, _ = run_cli(capsys, "run", "--dry-run", "--exp", "x", "--preset", "pi4", "--set", "train_bp.epochs=1",
                          "--budget", "200MB", "--set", "orchestration.retrain_cron=0 4 * * *", "train_bp")
     assert rc == 0
     command = next(ln for ln in out.splitlines() if ln.startswith("$ "))
-    assert command.startswith("$ dvc exp run -n x -S train_bp.device=cpu ") and command.endswith(" train_bp")
-    for arg in ["-S train_bp.epochs=1", "-S finetune.budget=200MB", "-S neuroflux.cache.storage=float16",
+    assert command.startswith("$ dvc exp run -n x -S device.device=cpu ") and command.endswith(" train_bp")
+    for arg in ["-S train_bp.epochs=1", "-S device.budget=200MB", "-S neuroflux.cache.storage=float16",
                 """-S 'orchestration.retrain_cron="0 4 * * *"'"""]:   # quoted for Hydra (DVC's -S grammar)
         assert arg in command, arg
     assert "256MB" not in command and (project / "params.yaml").read_text() == before
@@ -149,15 +150,15 @@ def test_run_writes_params_keeping_comments_runs_the_stage_with_the_preset_env(d
     bad = subprocess.run(cmd[:-3] + ["--set", "report.target_acc=2"], check=False, capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1   # the child process's check, one line
     assert "params.yaml + overrides: report.target_acc = 2: Input should be less than or equal to 1" in bad.stderr
-    done = subprocess.run(cmd, check=False, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "$ dvc repro target\nRunning stage 'target'" in done.stdout   # DVC's output, streamed through
-    assert (dvc_project / "target.txt").read_text() == "0.7 256MB pi4 4 None"   # the preset's threads win
+    assert (dvc_project / "target.txt").read_text() == "0.7 256MB pi4 4 None"   # the preset's budget and threads
     after = path.read_text()
     assert after.count("#") == before.count("#") and len(after.splitlines()) == len(before.splitlines())
     line = next(ln for ln in after.splitlines() if ln.strip().startswith("target_acc:"))
     assert line.split("#")[0].split() == ["target_acc:", "0.7"] and "# drawn on the accuracy-vs-time plot" in line
-    assert yaml.safe_load(after)["meanet"]["budget"] == "256MB"
+    assert yaml.safe_load(after)["device"]["max_batch"] == 64
     assert not (dvc_project / "other.txt").exists()   # the target only
 
 
@@ -171,10 +172,9 @@ def test_exp_runs_a_dvc_experiment_with_the_overrides(dvc_project, capsys):
     rc, out, err = run_cli(capsys, "run", "--exp", "e1", "--budget", "200MB", "--set", "report.target_acc=0.55",
                            "target")
     assert rc == 0, err
-    assert "$ dvc exp run -n e1 -S train_bp.budget=200MB" in out
+    assert "$ dvc exp run -n e1 -S device.budget=200MB" in out
     # DVC set DVC_EXP_NAME for the stage: edgeflux.tracking tags the MLflow runs with it
-    threads = os.environ.get("OMP_NUM_THREADS")   # no preset: the environment's own
-    assert (dvc_project / "target.txt").read_text() == f"0.55 200MB None {threads} e1"
+    assert (dvc_project / "target.txt").read_text() == "0.55 200MB None None e1"   # no preset: params' threads
     before = (dvc_project / "params.yaml").read_text()
     rc, out, err = run_cli(capsys, "run", "--exp", "e2", "--temp", "--set", "report.target_acc=0.45", "target")
     assert rc == 0, err

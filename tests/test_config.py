@@ -21,7 +21,8 @@ def test_repository_params_yaml_is_valid():
     params = load_params(REPO / "params.yaml")
     assert params.data.dataset == "fashion-mnist"
     # one budget for every method: the report compares them under it
-    assert params.train_bp.budget == params.neuroflux.budget == params.finetune.budget == params.meanet.budget
+    assert params.train_bp.budget == params.neuroflux.budget == params.finetune.budget == params.meanet.budget \
+        == params.device.budget
     assert params.finetune.methods[-2:] == ["mobiletl-bittrain", "elastic-mobiletl"]
     assert [m.key for m in params.pretrain.models] == ["mobilenet_v2-w0.5", "resnet18-w0.25"]
 
@@ -165,3 +166,32 @@ def test_meanet_edge_options_are_the_training_options_alone():
     changed = load_params(REPO / "params.yaml").meanet.model_copy(update={"threshold": 0.3, "sweep": 7})
     assert changed.edge_options().model_dump() == edge.model_dump()   # the router's settings: same training run
 
+
+
+def test_budgeted_sections_inherit_the_device_section_and_may_override_it():
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    raw["device"] = {"device": "cpu", "budget": "32MB", "max_batch": 100, "bittrain": {"enabled": True}}
+    raw["train_bp"]["budget"] = "16MB"                  # one stage's own budget
+    raw["neuroflux"]["bittrain"] = {"threshold": 0.5}   # one BitTrain key, the rest from the device
+    params = validate(raw)
+    assert (params.train_bp.budget, params.neuroflux.budget, params.finetune.budget) == (16_000_000, 32_000_000,
+                                                                                        32_000_000)
+    assert params.neuroflux.bittrain.enabled and params.neuroflux.bittrain.threshold == 0.5
+    assert params.meanet.device == params.finetune.device == "cpu" and params.pretrain.device == "auto"
+    # max_batch is a limit in both places: the smaller holds (finetune and meanet cap at 128 themselves)
+    assert (params.train_bp.max_batch, params.finetune.max_batch, params.meanet.max_batch) == (100, 100, 100)
+    raw["device"]["max_batch"] = 512
+    assert (validate(raw).train_bp.max_batch, validate(raw).finetune.max_batch) == (512, 128)
+
+
+def test_a_bad_device_key_is_one_message_naming_the_device_section():
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    raw["device"]["budget"] = 64
+    with pytest.raises(ParamsError) as err:
+        validate(raw)
+    assert str(err.value).splitlines() == [
+        "params.yaml: device.budget = 64: a memory size needs a unit, e.g. '64MB' or '64MiB' "
+        "(allowed units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"]
+    raw["device"] = {"budjet": "1MB"}
+    with pytest.raises(ParamsError, match=r"device.budjet = '1MB': unknown key \(did you mean budget\?\)"):
+        validate(raw)

@@ -23,10 +23,10 @@ from .common import RAW, Parser, UsageError, wrap
 from .compare import add_compare
 from .forward import FORWARDED
 from .report import add_report
-from .run import BUDGET_KEYS, add_run
+from .run import BUDGET_KEY, add_run
 from .status import add_status
 
-__all__ = ["BUDGET_KEYS", "Parser", "UsageError", "build_parser", "main"]
+__all__ = ["BUDGET_KEY", "Parser", "UsageError", "build_parser", "main"]
 
 TOP_EXAMPLES = """\
 examples:

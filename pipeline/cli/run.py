@@ -19,8 +19,8 @@ from edgeflux.presets import Preset, available, load_preset, merge, set_params
 from .common import RAW, UsageError, wrap
 
 PARAMS = Path("params.yaml")
-# --budget: every method's budget at once, so the report compares them under the same one
-BUDGET_KEYS = ("train_bp.budget", "neuroflux.budget", "finetune.budget", "meanet.budget")
+# --budget: the device's budget, which every budgeted stage inherits, so the report compares them under one
+BUDGET_KEY = "device.budget"
 CHECKED = "params.yaml + overrides"   # how a validation error names the file it checked (a temporary copy)
 
 
@@ -49,7 +49,7 @@ def collect_overrides(args: argparse.Namespace, preset: Preset | None, params: d
     """{key: (value, where it came from)}, in the order they apply: the preset's, --budget, then --set
     (the most specific wins; a later key moves to the end so that it also applies last)."""
     layers = [(preset.params if preset else {}, f"preset {preset and preset.name}"),
-              ({k: args.budget for k in BUDGET_KEYS if k.split(".")[0] in params} if args.budget else {}, "--budget"),
+              ({BUDGET_KEY: args.budget} if args.budget else {}, "--budget"),
               (dict(_parse_set(text) for text in args.overrides), "--set")]
     out: dict[str, tuple[Any, str]] = {}
     for values, source in layers:
@@ -231,7 +231,8 @@ def add_run(sub) -> None:
                    help="set one param, dotted key, YAML value (repeatable; wins over --preset and --budget), "
                         "e.g. train_bp.epochs=1")
     p.add_argument("--budget", type=_budget, metavar="SIZE",
-                   help="every method's memory budget at once (" + ", ".join(BUDGET_KEYS) + "), e.g. 200MB or 1GiB")
+                   help=f"every method's memory budget at once ({BUDGET_KEY}, which the budgeted stages inherit), "
+                        "e.g. 200MB or 1GiB")
     p.add_argument("--exp", metavar="NAME", help="run as the DVC experiment NAME (dvc exp run -n NAME -S ...): "
                    "edgeflux leaves params.yaml to DVC, which applies the overrides in the experiment")
     p.add_argument("--temp", action="store_true",
