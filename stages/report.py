@@ -53,9 +53,10 @@ def row_inputs(params, head: dict, detail: dict) -> RowInputs:
     return RowInputs(head, detail, bittrain, params.finetune.model if params.finetune else None)
 
 
-def collect_rows(inputs: RowInputs) -> list[MethodRow]:
+def collect_rows(inputs: RowInputs, registered: list[Stage] | None = None) -> list[MethodRow]:
     """Every registered stage's rows, in dvc.yaml's order, with the Pareto front marked."""
-    return mark_pareto([row for s in stages() if s.rows for row in s.load_module().summary_rows(inputs)])
+    registered = stages() if registered is None else registered
+    return mark_pareto([row for s in registered if s.rows for row in s.load_module().summary_rows(inputs)])
 
 
 def curves() -> list[Path]:
