@@ -71,6 +71,8 @@ from mlflow.store.artifact.mlflow_artifacts_repo import MlflowArtifactsRepositor
 from mlflow.tracking import MlflowClient  # noqa: E402
 from sqlalchemy.exc import SQLAlchemyError  # noqa: E402
 
+from edgeflux.errors import UserError
+
 log = logging.getLogger(__name__)
 
 EXPERIMENT = os.environ.get("EDGEFLUX_EXPERIMENT", "edgeflux")
@@ -463,7 +465,7 @@ def close_orphaned_runs(client: MlflowClient, experiment_id: str) -> list[str]:
     return closed
 
 
-class TrackingStoreError(RuntimeError):
+class TrackingStoreError(RuntimeError, UserError):
     """The MLflow store cannot be opened (a damaged sqlite file, a server that is not there)."""
 
 

@@ -35,7 +35,8 @@ from typing import Any
 
 import yaml
 
-from edgeflux.presets import Preset, PresetError, available, load_preset, merge, set_params
+from edgeflux.errors import UserError
+from edgeflux.presets import Preset, available, load_preset, merge, set_params
 
 PARAMS = Path("params.yaml")
 # --budget: every method's budget at once, so the report compares them under the same one
@@ -49,7 +50,7 @@ def _wrap(text: str) -> str:
     return textwrap.fill(text, 96)   # descriptions: the raw formatter (which keeps the examples' layout) wraps nothing
 
 
-class UsageError(Exception):
+class UsageError(UserError):
     """A bad argument or input, reported as one line (exit 2) before anything runs."""
 
 
@@ -236,7 +237,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     if not args.exp:
         set_params(overrides, PARAMS)
-    from pipeline.service import venv_env   # offline, the venv's dvc and python first on PATH
+    from edgeflux.environ import venv_env   # offline, the venv's dvc and python first on PATH
 
     rc = call(command, venv_env(env))
     if rc == 0:
@@ -247,7 +248,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 # --- status -------------------------------------------------------------------------------------------
 
 def _dvc(*argv: str) -> subprocess.CompletedProcess:
-    from pipeline.service import venv_env
+    from edgeflux.environ import venv_env
 
     return subprocess.run(["dvc", *argv], check=False, capture_output=True, text=True, env=venv_env())
 
@@ -798,7 +799,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (UsageError, PresetError) as exc:
+    except UserError as exc:   # UsageError, PresetError, and the library's (a tracking store it cannot open)
         print(f"edgeflux {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

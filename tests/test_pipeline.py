@@ -297,8 +297,10 @@ def test_stage_graph_is_read_from_dvc_yaml():
         stages_for("trian_bp", graph)
 
 
-# Code that never changes what a stage writes: atomic file writes, MLflow logging, the stage runner.
-PLUMBING = {"edgeflux/artifacts.py", "edgeflux/tracking.py", "stages/common.py"}
+# Code that never changes what a stage writes: atomic file writes, MLflow logging, the stage runner, the
+# errors it reports, the processes and servers it starts.
+PLUMBING = {"edgeflux/artifacts.py", "edgeflux/tracking.py", "stages/common.py", "edgeflux/errors.py",
+            "edgeflux/process.py", "edgeflux/service.py", "edgeflux/environ.py"}
 
 
 def _imported_files(script: Path) -> set[str]:
