@@ -13,7 +13,7 @@ are genuinely hard. For each CNN (CIFAR-style ResNet-18, MobileNetV2; CPU-sized 
   ones), Table III (all-class accuracy: main vs MEANet routed on the edge; easy/hard detection), Table VI
   (fixed vs trained parameters and multiply-adds);
 * the threshold sweep with the real cloud: a larger CNN trained on the source half, saved in MLflow's format,
-  served by ``mlflow models serve`` on loopback (pipeline.cloud.ModelServer) and asked over HTTP
+  served by ``mlflow models serve`` on loopback (edgeflux.meanet.server.ModelServer) and asked over HTTP
   (edgeflux.meanet.cloud.CloudClient): accuracy, share answered by the cloud, edge energy and latency per
   threshold (Table I's model: edge time and round trip measured here, upload and edge power modelled).
 
@@ -46,12 +46,12 @@ from edgeflux.meanet.evaluate import edge_cloud_report, edge_tables  # noqa: E40
 from edgeflux.meanet.hard import detection_accuracy, entropy_range, hard_classes  # noqa: E402
 from edgeflux.meanet.model import MEANetSpec, block_costs, build_meanet, main_block  # noqa: E402
 from edgeflux.meanet.plot import plot_sweep  # noqa: E402
+from edgeflux.meanet.server import ModelServer  # noqa: E402
 from edgeflux.meanet.train import edge_step_memory, joint_step_memory, main_logits, train_edge, train_main_block  # noqa: E402
 from edgeflux.models import build_model  # noqa: E402
 from edgeflux.neuroflux.plots import _pyplot, _save  # noqa: E402
 from edgeflux.tracking import save_model_dir  # noqa: E402
 from edgeflux.train import MemoryOptions, TrainOptions, evaluate  # noqa: E402
-from pipeline.cloud import ModelServer  # noqa: E402
 
 NAME = "meanet"
 log = logging.getLogger("bench.meanet")

@@ -33,7 +33,6 @@ import logging
 import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -48,11 +47,11 @@ import yaml  # noqa: E402
 from rich.logging import RichHandler  # noqa: E402
 
 from bench.common import BenchResult, HelpFormatter, bench_argparser  # noqa: E402
+from edgeflux.environ import offline_env, venv_env  # noqa: E402
 from edgeflux.neuroflux.plots import _pyplot, _save  # noqa: E402
+from edgeflux.process import start_group, stop_group  # noqa: E402
 from pipeline.sandbox import DEVICE_STAGES, GIT_IDENTITY, REPO, quick_params, sandbox, sh  # noqa: E402
 from pipeline.servers import PrefectServer  # noqa: E402
-from pipeline.service import die_with_parent, signal_group, venv_env, wait_group_gone  # noqa: E402
-from pipeline.settings import offline_env  # noqa: E402
 
 NAME = "pipeline"
 log = logging.getLogger("bench.pipeline")
@@ -123,9 +122,8 @@ def timed_repro(clone: Path, env: dict[str, str], log_path: Path, *flags: str) -
     its wall time and each stage's (see the module's docstring)."""
     stages, current, start = [], None, time.perf_counter()
     # a session of its own: stopping it (an error, Ctrl-C) signals dvc and the stage it runs together
-    proc = subprocess.Popen(["dvc", "repro", *flags], cwd=clone, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True,
-                            preexec_fn=die_with_parent)  # noqa: PLW1509
+    proc = start_group(["dvc", "repro", *flags], cwd=clone, env=env, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, errors="replace")
     try:
         with log_path.open("a") as out:
             out.write(f"$ dvc repro {' '.join(flags)}\n")
@@ -141,10 +139,7 @@ def timed_repro(clone: Path, env: dict[str, str], log_path: Path, *flags: str) -
         _stage_done(stages, current, time.perf_counter() - start)
     finally:
         if proc.poll() is None:
-            signal_group(proc.pid, signal.SIGTERM)
-            if not wait_group_gone(proc, 10.0):
-                signal_group(proc.pid, signal.SIGKILL)
-            proc.wait()
+            stop_group(proc, 10.0, "dvc repro")
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         tail = "".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-30:])

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from edgeflux.errors import UserError
 from edgeflux.models import build_model
 
 
@@ -48,7 +49,7 @@ def atomic_write(path: str | Path, write) -> None:
     _fsync(path.parent)
 
 
-class WriteError(OSError):
+class WriteError(OSError, UserError):
     """A file could not be written (disk full, read-only, no permission): one line naming the file and the fix."""
 
     def __init__(self, path: Path, cause: Exception) -> None:
@@ -87,7 +88,7 @@ def _fsync(path: Path) -> None:
 CHECKSUM_KEY = "content_sha256"
 
 
-class CorruptFileError(ValueError):
+class CorruptFileError(ValueError, UserError):
     """A file a stage reads is damaged: not valid JSON or torch data, or not what its checksum vouches for."""
 
 

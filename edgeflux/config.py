@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from edgeflux.bittrain import BitTrainOptions as BitTrainParams
 from edgeflux.data import DATASETS
+from edgeflux.errors import UserError
 from edgeflux.finetune import FinetuneOptions, parse_method
 from edgeflux.models import ModelSpec
 from edgeflux.neuroflux.aux import AUX_MODES
@@ -33,7 +34,7 @@ __all__ = ["BitTrainParams", "Bytes", "CacheParams", "DataParams", "DeviceParams
            "parse_bytes", "validate"]
 
 
-class ParamsError(ValueError):
+class ParamsError(ValueError, UserError):
     """params.yaml holds something edgeflux cannot use; the message says what and how to fix it."""
 
 

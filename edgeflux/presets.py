@@ -25,6 +25,7 @@ import yaml
 from pydantic import ValidationError
 from ruamel.yaml import YAML
 
+from edgeflux.errors import UserError
 from edgeflux.options import Options
 
 __all__ = ["PRESETS_DIR", "Preset", "PresetError", "available", "load_preset", "merge", "set_params"]
@@ -32,7 +33,7 @@ __all__ = ["PRESETS_DIR", "Preset", "PresetError", "available", "load_preset", "
 PRESETS_DIR = Path("presets")   # relative to the project root, where params.yaml is: each clone has its own
 
 
-class PresetError(ValueError):
+class PresetError(ValueError, UserError):
     """A preset that does not exist or cannot be used; the message names the fix."""
 
 

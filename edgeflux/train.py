@@ -47,6 +47,7 @@ from edgeflux.bittrain import BitTrainOptions
 from edgeflux.checkpoint import (load_checkpoint, rng_state, run_signature, save_checkpoint, set_rng_state,
                                  tensor_digest)
 from edgeflux.data import Images, batches
+from edgeflux.errors import UserError
 from edgeflux.models.units import eval_mode, train_mode
 from edgeflux.options import Bytes, Options
 from edgeflux.step import Step, StepContext, TrainStep, no_context
@@ -96,7 +97,7 @@ class MemoryOptions(Options):
 
 
 
-class DeviceUnavailableError(RuntimeError):
+class DeviceUnavailableError(RuntimeError, UserError):
     """The params ask for a device this machine does not have."""
 
 

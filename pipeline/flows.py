@@ -31,8 +31,8 @@ from pathlib import Path
 
 import yaml
 
+from edgeflux.environ import offline_env
 from edgeflux.presets import Preset, PresetError, load_preset, set_params
-from pipeline.settings import offline_env
 from pipeline.sync import (command, dvc_pull, dvc_push, git_publish, git_pull, split_by_store, stage_group,
                            stage_outputs)
 from stages import registry

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import yaml
 
+from edgeflux.environ import venv_env
 from pipeline.servers import MLflowServer, PrefectServer, PrefectWorker
-from pipeline.service import venv_env
 from stages import registry
 
 log = logging.getLogger(__name__)

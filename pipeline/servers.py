@@ -1,4 +1,4 @@
-"""The cloud host's servers and a device's worker, each the tool's own command (see pipeline.service).
+"""The cloud host's servers and a device's worker, each the tool's own command (see edgeflux.service).
 
     with PrefectServer(home) as prefect, MLflowServer(store) as mlflow:
         with PrefectWorker("pi", prefect.api_url, clone, tracking_uri=mlflow.url, device_id="pi-01"):
@@ -27,7 +27,8 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from pipeline.service import Service, ServiceError, venv_env
+from edgeflux.environ import venv_env
+from edgeflux.service import Service, ServiceError
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.settings import offline_env
+from edgeflux.environ import offline_env
 
 os.environ.update(offline_env())   # before prefect reads its settings: no telemetry, no heartbeat traceback
 from prefect import get_run_logger, task  # noqa: E402

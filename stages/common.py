@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
-import ctypes
 import errno
 import fcntl
 import logging
@@ -12,45 +11,29 @@ import os
 import resource
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import psutil
 from rich.logging import RichHandler
 
-from edgeflux.artifacts import CorruptFileError, WriteError, write_json
-from edgeflux.config import Params, ParamsError, load_params
-from edgeflux.data import DataParamsError, DatasetNotFoundError, PreparedDataError
-from edgeflux.data.incoming import IncomingDataError
-from edgeflux.memory import BudgetTooSmallError
-from edgeflux.elastic import ElasticBudgetError
-from edgeflux.mobiletl import BlocksError
-from edgeflux.neuroflux.profile import PoorFitError
-from edgeflux.meanet.model import MEANetConfigError
-from edgeflux.tracking import TrackingStoreError
-from pipeline.cloud import CloudServerError
-from edgeflux.train import DeviceUnavailableError
+from edgeflux.artifacts import write_json
+from edgeflux.config import Params, load_params
+from edgeflux.errors import UserError
+from edgeflux.process import die_with_parent
 
 
-class StageRunningError(Exception):
+class StageRunningError(UserError):
     """Another process runs the same stage: both would write its checkpoint and outputs."""
 
 
-# Errors that are the user's to fix: shown as one message, no traceback.
-USER_ERRORS = (ParamsError, DatasetNotFoundError, DataParamsError, PreparedDataError, BudgetTooSmallError,
-               PoorFitError, CorruptFileError, FileNotFoundError, StageRunningError, DeviceUnavailableError,
-               TrackingStoreError, WriteError, BlocksError, ElasticBudgetError, MEANetConfigError,
-               CloudServerError, IncomingDataError)
 # What the machine refuses (a full disk, a read-only directory): one line naming the file, no traceback.
 MACHINE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 
 # One lock file per stage, relative to the working directory (dvc runs stages in the repository root).
 LOCKS = Path(".edgeflux/locks")
 METRICS_DIR, DETAILS_DIR = Path("metrics"), Path("details")   # the headline (DVC metrics), every figure (DVC outs)
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def stage_parser(description: str) -> argparse.ArgumentParser:
@@ -77,12 +60,15 @@ def run_stage(main: Callable[[argparse.Namespace, Params], None], parser: argpar
         logging.getLogger(noisy).setLevel(logging.WARNING)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        _die_with_parent()
+        # Dies with dvc, even one killed by SIGKILL, so that no orphan runs on beside dvc's rerun; SIGTERM
+        # unwinds it as Interrupted.
+        if not die_with_parent(signal.SIGTERM):   # dvc died first: nothing would send the signal
+            raise Interrupted(signal.SIGTERM)
         with _exclusive(name or Path(main.__code__.co_filename).stem):
             params = load_params(args.params)
             _set_threads(params.device.threads)
             main(args, params)
-    except USER_ERRORS as exc:
+    except (UserError, FileNotFoundError) as exc:   # the user's to fix; a missing file is too, though not ours
         print(f"\nerror: {exc}", file=sys.stderr)
         sys.exit(2)
     except OSError as exc:
@@ -126,56 +112,6 @@ class Interrupted(KeyboardInterrupt):
 
 def _interrupt(signum: int, frame) -> None:
     raise Interrupted(signum)
-
-
-def _die_with_parent() -> None:
-    """Have SIGTERM sent to this process when its parent dies, even by SIGKILL, so that it unwinds
-    (Interrupted) instead of running on as an orphan beside the parent's rerun."""
-    ppid = os.getppid()
-    if not _pdeathsig(signal.SIGTERM):
-        threading.Thread(target=_watch_parent, args=(ppid,), name="watch-parent", daemon=True).start()
-    if os.getppid() != ppid:  # the parent died before the signal was armed: nothing will send it
-        raise Interrupted(signal.SIGTERM)
-    if (launcher := _behind_shell(ppid)) is not None:
-        threading.Thread(target=_watch_process, args=(launcher,), name="watch-launcher", daemon=True).start()
-
-
-SHELLS = {"sh", "dash", "bash", "zsh", "ksh", "busybox"}
-
-
-def _behind_shell(ppid: int) -> psutil.Process | None:
-    """The shell's parent when this stage's parent is a shell: dvc runs `$SHELL -c cmd` (/bin/sh where SHELL
-    is unset), and dash, unlike bash, does not replace itself with the command, so dvc's death orphans the
-    shell and no parent-death signal reaches the stage."""
-    try:
-        parent = psutil.Process(ppid)
-        return parent.parent() if parent.name() in SHELLS else None
-    except psutil.Error:
-        return None
-
-
-def _watch_process(launcher: psutil.Process) -> None:
-    try:
-        while launcher.is_running() and launcher.status() != psutil.STATUS_ZOMBIE:   # is_running: pid not reused
-            time.sleep(1)
-    except psutil.NoSuchProcess:
-        pass
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _pdeathsig(signum: int) -> bool:
-    """Linux's prctl(PR_SET_PDEATHSIG); False where there is none (macOS). The kernel sends it when the
-    parent *thread* that forked this process exits: dvc starts a stage (subprocess, `$SHELL -c`, which
-    bash replaces with the stage) from its main thread, so that is when dvc itself exits."""
-    prctl = getattr(ctypes.CDLL(None), "prctl", None)  # libc's, among the interpreter's own symbols
-    return prctl is not None and prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0) == 0
-
-
-def _watch_parent(ppid: int) -> None:
-    """Without prctl: notice the parent's death by this process being reparented."""
-    while os.getppid() == ppid:
-        time.sleep(1)
-    os.kill(os.getpid(), signal.SIGTERM)
 
 
 @contextlib.contextmanager

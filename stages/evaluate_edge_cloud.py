@@ -26,9 +26,9 @@ from edgeflux.meanet.evaluate import edge_cloud_report, edge_tables
 from edgeflux.meanet.hard import HardClasses
 from edgeflux.meanet.model import load_meanet
 from edgeflux.meanet.plot import plot_sweep
+from edgeflux.meanet.server import ModelServer
 from edgeflux.tracking import stage_run
 from edgeflux.summary import MethodRow, RowInputs, training_row
-from pipeline.cloud import ModelServer
 from stages.common import run_stage, stage_parser, write_metrics
 from stages.registry import Stage
 

@@ -322,7 +322,7 @@ def test_every_edgeflux_module_and_function_the_image_runs_exists(path):
 
 @by_name(DOCKERFILES)
 def test_the_image_sets_the_offline_environment(path):
-    from pipeline.settings import OFFLINE_ENV
+    from edgeflux.environ import OFFLINE_ENV
 
     env = load(path).env
     assert {k: env.get(k) for k in OFFLINE_ENV} == OFFLINE_ENV
@@ -486,7 +486,7 @@ def test_compose_deploy_runs_pipeline_deploy_in_the_clone(services, monkeypatch)
 
 
 def test_compose_services_run_offline(services):
-    from pipeline.settings import OFFLINE_ENV
+    from edgeflux.environ import OFFLINE_ENV
 
     for name, service in services.items():
         env = service.get("environment", {})

@@ -1,10 +1,16 @@
-"""The library's import graph, read from the source: no cycles, and no dependency on the pipeline.
+"""The import graphs, read from the source: no cycles, and arrows that point down (pipeline -> stages ->
+edgeflux; the library imports none of them, nor their tools).
 
 Every import counts, at module level and inside functions (a lazy import hides a cycle until the
-function runs); only imports under ``if TYPE_CHECKING:`` are left out (they never run). Importing
-``a.b.c`` also runs the ``__init__`` of ``a`` and ``a.b``, except packages the importer is itself
-inside (they are already being imported), and ``from pkg import name`` where ``pkg.name`` is a
-module imports that module.
+function runs); only imports under ``if TYPE_CHECKING:`` are left out (they never run). Two graphs:
+
+* the library's modules as Python runs them: importing ``a.b.c`` also runs the ``__init__`` of ``a``
+  and ``a.b``, except packages the importer is itself inside (they are already being imported), and
+  ``from pkg import name`` where ``pkg.name`` is a module imports that module;
+* the files of edgeflux/, stages/ and pipeline/ as a reader follows them: ``import a.b`` is an edge to
+  a/b.py, ``from pkg import name`` to pkg/name.py where that is a module and to pkg/__init__.py
+  otherwise, even from inside pkg (a submodule that reads its own package's ``__init__``, which imports
+  the submodule, is a cycle: it sees the package half-initialised).
 """
 from __future__ import annotations
 
@@ -12,7 +18,9 @@ import ast
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "edgeflux"
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "edgeflux"
+LAYERS = (REPO / "edgeflux", REPO / "stages", REPO / "pipeline")
 # the pipeline's own code and tools: the library must work without them
 FORBIDDEN = ("stages", "pipeline", "prefect", "dvc", "mlflow")
 ALLOWED = {"edgeflux.tracking": {"mlflow"}}   # the MLflow adapter: this package and its modules
@@ -76,16 +84,36 @@ def _targets(importer: str, module: str, names: list[str] | None, known: set[str
     return (direct | (implied - inside)) - {importer}
 
 
+def _imports_of(name: str, path: Path) -> list[tuple[str, list[str] | None]]:
+    finder = _Imports(name, path.name == "__init__.py")
+    finder.visit(ast.parse(path.read_text(), filename=str(path)))
+    return finder.found
+
+
 def import_graph(root: Path = PACKAGE) -> ImportGraph:
     modules = module_names(root)
     known = set(modules)
     graph = ImportGraph()
     for name, path in modules.items():
-        finder = _Imports(name, path.name == "__init__.py")
-        finder.visit(ast.parse(path.read_text(), filename=str(path)))
-        graph.edges[name] = set().union(*(_targets(name, m, names, known) for m, names in finder.found)) & known
-        graph.named[name] = {m for m, _ in finder.found}
+        found = _imports_of(name, path)
+        graph.edges[name] = set().union(*(_targets(name, m, names, known) for m, names in found)) & known
+        graph.named[name] = {m for m, _ in found}
     return graph
+
+
+def _file_targets(module: str, names: list[str] | None, known: set[str]) -> set[str]:
+    """The files one import statement names: the module, or for each name its submodule if it is one."""
+    if names is None:
+        return {module} & known
+    return {f"{module}.{n}" if f"{module}.{n}" in known else module for n in names} & known
+
+
+def file_graph(roots: tuple[Path, ...] = LAYERS) -> dict[str, set[str]]:
+    """module -> the modules whose files its imports name (see the module docstring)."""
+    modules = {name: path for root in roots for name, path in module_names(root).items()}
+    known = set(modules)
+    return {name: set().union(*(_file_targets(m, names, known) for m, names in _imports_of(name, path))) - {name}
+            for name, path in modules.items()}
 
 
 def find_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -108,19 +136,25 @@ def find_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return list(cycles.values())
 
 
-def _allowed(importer: str) -> set[str]:
-    return set().union(*(tools for package, tools in ALLOWED.items()
+def _allowed(importer: str, allowed: dict[str, set[str]]) -> set[str]:
+    return set().union(*(tools for package, tools in allowed.items()
                          if importer == package or importer.startswith(package + ".")))
 
 
-def forbidden_imports(graph: ImportGraph) -> list[str]:
+def forbidden_imports(graph: ImportGraph, forbidden: tuple[str, ...] = FORBIDDEN,
+                      allowed: dict[str, set[str]] = ALLOWED) -> list[str]:
     found = []
     for importer, targets in sorted(graph.named.items()):
         for target in sorted(targets):
             top = target.partition(".")[0]
-            if top in FORBIDDEN and top not in _allowed(importer):
+            if top in forbidden and top not in _allowed(importer, allowed):
                 found.append(f"{importer} imports {target}")
     return found
+
+
+def _as_files(cycle: list[str]) -> str:
+    paths = {name: path for root in LAYERS for name, path in module_names(root).items()}
+    return " -> ".join(str(paths[name].relative_to(REPO)) if name in paths else name for name in cycle)
 
 
 def test_library_has_no_import_cycles():
@@ -129,10 +163,23 @@ def test_library_has_no_import_cycles():
         "\n".join(" -> ".join(c) for c in cycles)
 
 
+def test_no_import_cycle_between_files():
+    cycles = find_cycles(file_graph())
+    assert not cycles, "import cycles between files of edgeflux/, stages/ and pipeline/ (move what both sides " \
+        "need into a module below both; import a name from the submodule that defines it, not from its " \
+        "package's __init__):\n" + "\n".join(_as_files(c) for c in cycles)
+
+
 def test_library_does_not_import_the_pipeline():
     found = forbidden_imports(import_graph())
     assert not found, f"library modules import pipeline code or tools ({', '.join(FORBIDDEN)}); only " \
                       f"edgeflux.tracking may import mlflow:\n" + "\n".join(found)
+
+
+def test_stages_do_not_import_the_pipeline():
+    found = forbidden_imports(import_graph(REPO / "stages"), forbidden=("pipeline",), allowed={})
+    assert not found, "stages import pipeline code (the arrows point down: pipeline -> stages -> edgeflux; " \
+                      "move what both need into edgeflux):\n" + "\n".join(found)
 
 
 def test_the_walk_sees_lazy_package_and_submodule_imports(tmp_path):
@@ -156,3 +203,19 @@ def test_the_walk_sees_lazy_package_and_submodule_imports(tmp_path):
     assert sorted(" -> ".join(c) for c in find_cycles(graph.edges)) == [
         "pkg.a -> pkg.sub -> pkg.sub.c -> pkg.a", "pkg.sub.c -> pkg.sub.d -> pkg.sub.c"]
     assert forbidden_imports(graph) == ["pkg.sub.c imports prefect.flows"]
+
+
+def test_the_file_graph_counts_a_package_init_and_submodules(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    files = {
+        "__init__.py": "from pkg.a import f\n",
+        "a.py": "from pkg import b\nfrom pkg import g\n",                 # b: a module; g: a name of __init__
+        "b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import f\n",
+        "c.py": "import pkg.b\ndef h():\n    from . import a\n",      # lazy and relative still count
+    }
+    for rel, text in files.items():
+        (pkg / rel).write_text(text)
+    edges = file_graph((pkg,))
+    assert edges == {"pkg": {"pkg.a"}, "pkg.a": {"pkg", "pkg.b"}, "pkg.b": set(), "pkg.c": {"pkg.a", "pkg.b"}}
+    assert find_cycles(edges) == [["pkg", "pkg.a", "pkg"]]

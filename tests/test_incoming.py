@@ -93,9 +93,9 @@ def test_bad_input_is_one_line_naming_the_file_and_the_fix(mnist_subset, tmp_pat
 
 
 def test_stages_report_bad_incoming_data_as_a_user_error():
-    from stages.common import USER_ERRORS
+    from edgeflux.errors import UserError   # what run_stage shows as one line, without a traceback
 
-    assert issubclass(IncomingDataError, USER_ERRORS)
+    assert issubclass(IncomingDataError, UserError)
 
 
 def test_find_incoming_skips_hidden_entries_and_non_images(tmp_path):

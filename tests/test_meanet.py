@@ -272,9 +272,9 @@ def test_the_real_cloud_server_stopped_mid_batch_leaves_every_instance_answered(
     """MLflow's model server on loopback as the cloud; it is stopped after the first request: the rest of the
     instances sent are answered on the edge (fallback), none is dropped, and the cloud's answers are its model's."""
     from edgeflux.meanet.cloud import CloudClient
+    from edgeflux.meanet.server import ModelServer
+    from edgeflux.process import group_alive as _group_alive
     from edgeflux.tracking import save_model_dir
-    from pipeline.cloud import ModelServer
-    from pipeline.service import group_alive as _group_alive
 
     net, hard, _ = routed_setup
     cloud_model = small("mobilenet_v2", seed=3).eval()

@@ -1,5 +1,5 @@
 """MEANet's cloud path on loopback: a tiny CNN saved in MLflow's format (tracking.save_model_dir), served by
-MLflow's own server (pipeline.cloud.ModelServer), asked by the edge's client (edgeflux.meanet.cloud).
+MLflow's own server (edgeflux.meanet.server.ModelServer), asked by the edge's client (edgeflux.meanet.cloud).
 
 The real server starts once for the module (about 7 s); the client's retry logic is checked against
 httpx.MockTransport, which needs no server."""
@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 from edgeflux.meanet.cloud import CloudClient, CloudUnavailable, parse_logits
+from edgeflux.meanet.server import CloudServerError, ModelServer
+from edgeflux.process import group_alive as _group_alive
+from edgeflux.service import port_in_use as _port_in_use
 from edgeflux.tracking import save_model_dir
-from pipeline.cloud import CloudServerError, ModelServer
-from pipeline.service import group_alive as _group_alive, port_in_use as _port_in_use
 
 
 def tiny_cnn() -> nn.Module:
@@ -148,7 +149,7 @@ def test_stop_kills_a_group_that_ignores_sigterm(tmp_path, caplog):
     group = server.process.pid
     time.sleep(0.2)   # the trap is set
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="pipeline.service"):
+    with caplog.at_level(logging.WARNING, logger="edgeflux.process"):
         server.stop(grace_s=0.3)
     assert time.monotonic() - started < 10, "stop() waited for the sleep instead of killing it"
     assert "ignored SIGTERM for 0.3 s: killing it" in caplog.text

@@ -297,8 +297,10 @@ def test_stage_graph_is_read_from_dvc_yaml():
         stages_for("trian_bp", graph)
 
 
-# Code that never changes what a stage writes: atomic file writes, MLflow logging, the stage runner.
-PLUMBING = {"edgeflux/artifacts.py", "edgeflux/tracking", "stages/common.py"}
+# Code that never changes what a stage writes: atomic file writes, MLflow logging, the stage runner, the
+# errors it reports, the processes and servers it starts, the registry's declarations.
+PLUMBING = {"edgeflux/artifacts.py", "edgeflux/tracking", "stages/common.py", "edgeflux/errors.py",
+            "edgeflux/process.py", "edgeflux/service.py", "edgeflux/environ.py", "stages/registry.py"}
 
 
 def _plumbing(path: str) -> bool:

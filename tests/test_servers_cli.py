@@ -10,7 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pipeline.service import free_port, port_in_use, venv_env
+from edgeflux.environ import venv_env
+from edgeflux.service import free_port, port_in_use
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""pipeline.settings.offline_env: an in-process flow run (Prefect's ephemeral server) is quiet and offline."""
+"""edgeflux.environ.offline_env: an in-process flow run (Prefect's ephemeral server) is quiet and offline."""
 import os
 import sqlite3
 import subprocess
@@ -6,7 +6,7 @@ import sys
 import textwrap
 from contextlib import closing
 
-from pipeline.settings import offline_env
+from edgeflux.environ import offline_env
 
 FLOW = textwrap.dedent("""
     import time

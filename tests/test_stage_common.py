@@ -126,7 +126,8 @@ def test_a_stage_dies_with_the_process_that_started_it(tmp_path, watch):
     """SIGKILL the stage's parent (dvc): the stage gets SIGTERM and unwinds instead of running on beside a
     rerun. polling: the fallback where there is no prctl (macOS). shell: dvc starts the stage through
     `/bin/sh -c` where SHELL is unset, and a shell that does not exec its command stays in between."""
-    setup = "common._pdeathsig = lambda signum: False" if watch == "polling" else ""
+    no_prctl = "import edgeflux.process; edgeflux.process.set_pdeathsig = lambda signum: False"
+    setup = no_prctl if watch == "polling" else ""
     stage_cmd = _stage_command(tmp_path, setup)
     if watch == "shell":   # `; true`: no shell can replace itself with the stage
         stage_cmd = ["/bin/sh", "-c", " ".join(stage_cmd) + "; true"]

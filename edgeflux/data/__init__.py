@@ -14,12 +14,15 @@ Fashion-MNIST, the default, is found without network access where the Debian pac
 `dataset-fashion-mnist` is installed (/usr/share/datasets/fashion-mnist). Its idx files are
 parsed in bulk with numpy, so loading all 70,000 images takes well under a second.
 
-One module per job: `load` (raw datasets from disk), `preparation` (sizes, channels, splits,
-statistics), `store` (the prepared data on disk between stages) and `feed` (splits and batches
-for training). Everything public is importable from `edgeflux.data` itself.
+One module per job: `load` (raw datasets from disk), `images` (decoding, resizing and converting
+images in bulk), `splits` (class-stratified splits from a seed), `preparation` (the prepared dataset:
+conversion, splits, statistics, manifest), `store` (the prepared data on disk between stages),
+`feed` (splits and batches for training) and `incoming` (new samples for retraining). Everything
+public but `incoming` is importable from `edgeflux.data` itself.
 """
 
 from edgeflux.data.feed import Batches, Images, batches, tensors
+from edgeflux.data.images import LUMA_601, to_gray
 from edgeflux.data.load import (
     DATASETS,
     DEBIAN_FASHION_MNIST,
@@ -32,13 +35,8 @@ from edgeflux.data.load import (
     load_raw,
     read_idx,
 )
-from edgeflux.data.preparation import (
-    LUMA_601,
-    DataParamsError,
-    prepare,
-    sha256_path,
-    to_gray,
-)
+from edgeflux.data.preparation import prepare, sha256_path
+from edgeflux.data.splits import DataParamsError
 from edgeflux.data.store import (
     PreparedData,
     PreparedDataError,

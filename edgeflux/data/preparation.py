@@ -12,28 +12,15 @@ from __future__ import annotations
 import hashlib
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
+from edgeflux.data.images import CHUNK_BYTES, convert_into
+from edgeflux.data.load import RawDataset
+from edgeflux.data.splits import DataParamsError, make_splits
 from edgeflux.data.store import _FORMAT_VERSION, PreparedData
 
-if TYPE_CHECKING:  # annotations only: load imports this module's helpers, so a runtime import would be circular
-    from edgeflux.data.load import RawDataset
-
 log = logging.getLogger(__name__)
-
-# ITU-R BT.601 luma weights (the ones PIL's convert("L") uses).
-LUMA_601 = (0.299, 0.587, 0.114)
-# Bulk image conversion works in chunks of about this many bytes of float32 per step: small
-# enough to stay in cache (measured faster than whole-dataset steps) and to bound memory.
-_CHUNK_BYTES = 8 << 20
-
-
-class DataParamsError(ValueError):
-    """A data.* setting does not work for this dataset (named in the message: the user's to fix)."""
-
 
 def prepare(
     raw: RawDataset,
@@ -63,10 +50,10 @@ def prepare(
 
     n_train, n_test = len(raw.train_labels), len(raw.test_labels)
     images = torch.empty((n_train + n_test, out_c, image_size, image_size), dtype=torch.uint8)
-    resize = _convert_into(raw.train_images, images[:n_train])
-    _convert_into(raw.test_images, images[n_train:])
+    resize = convert_into(raw.train_images, images[:n_train])
+    convert_into(raw.test_images, images[n_train:])
     labels = torch.cat([raw.train_labels, raw.test_labels]).to(torch.int64)
-    splits = _make_splits(raw.train_labels, labels, val_fraction, seed, split_by, source_fraction, source_classes)
+    splits = make_splits(raw.train_labels, labels, val_fraction, seed, split_by, source_fraction, source_classes)
     train, val, test = splits["train"], splits["val"], splits["test"]
 
     mean, std = _channel_stats(images, train)
@@ -87,19 +74,19 @@ def prepare(
         "source_classes": source_classes,
         "mean": mean,
         "std": std,
-        "counts": {
-            name: {
-                "total": len(idx),
-                "per_class": torch.bincount(labels[idx], minlength=n_classes).tolist(),
-            }
-            for name, idx in splits.items()
-        },
+        "counts": _counts(splits, labels, n_classes),
     }
     log.info(
         "%s: %d train / %d val / %d test images, %dx%dx%d (%s), split_by=%s",
         raw.name, len(train), len(val), len(test), out_c, image_size, image_size, resize, split_by,
     )
     return PreparedData(raw.name, list(raw.classes), images, labels, splits, mean, std, manifest)
+
+
+def _counts(splits: dict[str, torch.Tensor], labels: torch.Tensor, n_classes: int) -> dict[str, dict]:
+    """Each split's size, in total and per class."""
+    return {name: {"total": len(idx), "per_class": torch.bincount(labels[idx], minlength=n_classes).tolist()}
+            for name, idx in splits.items()}
 
 
 def _check_params(
@@ -149,50 +136,6 @@ def _check_params(
     return out_c, source_classes
 
 
-def _make_splits(
-    train_labels: torch.Tensor,
-    labels: torch.Tensor,
-    val_fraction: float,
-    seed: int,
-    split_by: str,
-    source_fraction: float,
-    source_classes: list[int] | None,
-) -> dict[str, torch.Tensor]:
-    """Index tensors of every split into `labels` (train images first, then test); see prepare().
-
-    One generator seeded with `seed` draws every permutation in a fixed order, so a seed names the splits.
-    """
-    n_train = len(train_labels)
-    n_test = len(labels) - n_train
-    gen = torch.Generator().manual_seed(seed)
-    train_all = torch.arange(n_train)
-    val, train = _stratified_pick(train_all, train_labels, val_fraction, gen)
-    test = n_train + torch.randperm(n_test, generator=gen)
-    if len(train) == 0 or len(val) == 0:
-        raise DataParamsError(f"data.val_fraction={val_fraction} leaves an empty train or val split ({n_train} images)")
-    splits = {"train": train, "val": val, "test": test}
-    if split_by == "data":
-        for part in ("train", "val"):
-            idx = splits[part]
-            splits[f"source_{part}"], splits[f"target_{part}"] = _stratified_pick(
-                idx, labels[idx], source_fraction, gen
-            )
-        splits["source_test"], splits["target_test"] = test.clone(), test.clone()
-    elif split_by == "classes":
-        wanted = torch.tensor(source_classes, dtype=torch.int64)
-        for part in ("train", "val", "test"):
-            idx = splits[part]
-            in_source = torch.isin(labels[idx], wanted)
-            splits[f"source_{part}"], splits[f"target_{part}"] = idx[in_source], idx[~in_source]
-    else:
-        for part in ("train", "val", "test"):
-            splits[f"source_{part}"], splits[f"target_{part}"] = splits[part].clone(), splits[part].clone()
-    for part in ("source_train", "target_train"):
-        if len(splits[part]) == 0:
-            raise DataParamsError(f"split {part!r} is empty: adjust source_fraction / source_classes")
-    return splits
-
-
 def _check_raw(raw: RawDataset) -> None:
     for part in ("train", "test"):
         x, y = getattr(raw, f"{part}_images"), getattr(raw, f"{part}_labels")
@@ -209,78 +152,11 @@ def _check_raw(raw: RawDataset) -> None:
         )
 
 
-def _convert_into(src: torch.Tensor, dst: torch.Tensor) -> str:
-    """Write `src` (uint8 NCHW) into `dst` at dst's size and channels, in chunks; returns the method."""
-    size, out_c = dst.shape[-1], dst.shape[1]
-    h, w = src.shape[-2:]
-    if (h, w) == (size, size):
-        method = "none"
-    elif (h, w) == (28, 28) and size == 32:
-        method = "pad"  # the LeNet convention: exact, every original pixel kept
-    else:
-        method = "bilinear"
-    pixels = max(src.shape[1] * h * w, out_c * size * size)
-    chunk = max(1, _CHUNK_BYTES // (4 * pixels))
-    for start in range(0, len(src), chunk):
-        x = src[start : start + chunk]
-        if x.shape[1] == 3 and out_c == 1:
-            x = to_gray(x)  # before resizing: a third of the work
-        if method == "pad":
-            x = F.pad(x, (2, 2, 2, 2))
-        elif method == "bilinear":
-            x = _resize(x, (size, size))
-        dst[start : start + len(x)] = x  # broadcasts 1 -> 3 channels by repeating
-    return method
-
-
-def _resize(x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """Bilinear, antialiased resize of uint8 NCHW images, rounded back to uint8."""
-    y = F.interpolate(x.float(), size=size, mode="bilinear", align_corners=False, antialias=True)
-    return y.round_().clamp_(0, 255).to(torch.uint8)
-
-
-def to_gray(x: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, 3, H, W] RGB -> uint8 [N, 1, H, W] ITU-R 601 luma, rounded."""
-    weights = torch.tensor(LUMA_601, dtype=torch.float32).view(1, 3, 1, 1)
-    return (x.float() * weights).sum(1, keepdim=True).round_().clamp_(0, 255).to(torch.uint8)
-
-
-def _stratified_pick(
-    idx: torch.Tensor, labels: torch.Tensor, fraction: float, gen: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split `idx` into (picked, rest), picking `fraction` of every class; both shuffled.
-
-    Per class floor(n_c * fraction) images, plus one more for the classes with the largest
-    remainders until the total is round(n * fraction): every class within one image of exact,
-    and the total exact too.
-    """
-    if len(idx) == 0:
-        return idx.clone(), idx.clone()
-    classes, counts = torch.unique(labels, return_counts=True)
-    exact = counts.double() * fraction
-    take = exact.floor().long()
-    short = round(len(idx) * fraction) - int(take.sum())
-    if short > 0:  # ties go to the lower class id (stable sort): deterministic
-        order = torch.argsort(exact - take, descending=True, stable=True)
-        take[order[:short]] += 1
-    picked, rest = [], []
-    for c, k in zip(classes.tolist(), take.tolist()):
-        members = idx[labels == c]
-        members = members[torch.randperm(len(members), generator=gen)]
-        picked.append(members[:k])
-        rest.append(members[k:])
-    picked_t, rest_t = torch.cat(picked), torch.cat(rest)
-    return (
-        picked_t[torch.randperm(len(picked_t), generator=gen)],
-        rest_t[torch.randperm(len(rest_t), generator=gen)],
-    )
-
-
 def _channel_stats(images: torch.Tensor, idx: torch.Tensor) -> tuple[list[float], list[float]]:
     """Exact per-channel mean/std (population) on the [0, 1] scale, via 256-bin histograms."""
     n_c = images.shape[1]
     hist = torch.zeros(n_c, 256, dtype=torch.float64)
-    chunk = max(1, 4 * _CHUNK_BYTES // images[0].numel())  # uint8 copies here
+    chunk = max(1, 4 * CHUNK_BYTES // images[0].numel())  # uint8 copies here
     for start in range(0, len(idx), chunk):
         x = images[idx[start : start + chunk]]
         for c in range(n_c):

@@ -15,12 +15,13 @@ from pathlib import Path
 import torch
 
 from edgeflux.artifacts import CorruptFileError, load_checked, read_json, save_checked, write_json
+from edgeflux.errors import UserError
 
 _FORMAT_VERSION = 1
 _PREPARE_FIX = "run `dvc repro prepare` (add -f to force it) to (re)create it"
 
 
-class PreparedDataError(RuntimeError):
+class PreparedDataError(RuntimeError, UserError):
     """The output of the prepare stage is missing or unreadable."""
 
 

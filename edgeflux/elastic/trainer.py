@@ -31,6 +31,7 @@ from pydantic import Field
 from edgeflux.elastic.importance import tensor_importance
 from edgeflux.elastic.profile import TensorTiming, execution_order, predict_backward, predict_step, profile_tensors
 from edgeflux.elastic.select import selection_cost, select_tensors
+from edgeflux.errors import UserError
 from edgeflux.options import Options
 from edgeflux.step import Step
 from edgeflux.train import TrainResult
@@ -59,7 +60,7 @@ def classifier_names(model: torch.nn.Module) -> list[str]:
     return [name for name, p in model.named_parameters() if id(p) in head]
 
 
-class ElasticBudgetError(ValueError):
+class ElasticBudgetError(ValueError, UserError):
     """The speedup objective leaves no time for the backward pass the classifier needs."""
 
 

@@ -8,7 +8,7 @@ One module per job:
 * ``hard``: hard classes by validation precision and the class map (Algorithm 1), entropies;
 * ``train``: the main block at the cloud (model A), the edge's training, joint optimisation's step;
 * ``router``: Algorithm 2 with a cloud that may fail (fallbacks counted, nothing dropped);
-* ``cloud``: the HTTP client of the cloud model server (MLflow's, started by ``pipeline.cloud``);
+* ``cloud``: the HTTP client of the cloud model server; ``server``: that server (MLflow's), started and stopped;
 * ``cost``: Table I's energy and latency model; ``evaluate``: Tables II-III, VI and the threshold sweep;
 * ``plot``: Figs. 7-8.
 """

@@ -1,4 +1,5 @@
-"""The edge's HTTP client of the cloud model (MLflow's model server, started by ``pipeline.cloud.ModelServer``).
+"""The edge's HTTP client of the cloud model (MLflow's model server, started by
+``edgeflux.meanet.server.ModelServer``).
 
     with CloudClient("http://127.0.0.1:5001", timeout_s=5.0, retries=2) as cloud:
         logits = cloud(x)          # one POST /invocations {"inputs": x.tolist()} -> [N, classes]

@@ -37,6 +37,7 @@ from torchvision.models.mobilenetv2 import InvertedResidual
 from torchvision.models.resnet import BasicBlock
 
 from edgeflux.artifacts import load_checked, model_fix, save_checked
+from edgeflux.errors import UserError
 from edgeflux.models import UnitModel, build_model, count_params, eval_mode
 from edgeflux.models.units import freeze
 
@@ -46,7 +47,7 @@ MODELS = ("resnet18", "mobilenet_v2")   # the zoo models whose residual blocks a
 BLOCK_KINDS = ("residual", "inverted_residual")
 
 
-class MEANetConfigError(ValueError):
+class MEANetConfigError(ValueError, UserError):
     """A MEANet setting the model cannot take (a split that is not a unit boundary, a bad n_hard)."""
 
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from edgeflux.errors import UserError
+
 from .sizes import budget_at_least, format_bytes
 from .step import StepMemory
 
@@ -29,7 +31,7 @@ def largest_over_batches(measure: Callable[[int], StepMemory], available: int,
     return step
 
 
-class BudgetTooSmallError(RuntimeError):
+class BudgetTooSmallError(RuntimeError, UserError):
     """Even batch size 1 does not fit the memory budget."""
 
     def __init__(self, budget_bytes: int, min_feasible_bytes: int) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from torch import nn
 from torchvision.ops import SqueezeExcitation
 
+from edgeflux.errors import UserError
 from edgeflux.models import UnitModel
 
 from .ops import ACTIVATIONS, shift_only, sign_backward
@@ -25,7 +26,7 @@ from .ops import ACTIVATIONS, shift_only, sign_backward
 __all__ = ["BlocksError", "count_irbs", "replace_module", "top_start", "transform_block"]
 
 
-class BlocksError(ValueError):
+class BlocksError(ValueError, UserError):
     """A `blocks` value or a model that the top-k fine-tuning methods cannot use."""
 
 

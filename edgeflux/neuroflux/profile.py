@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from edgeflux.artifacts import read_json, write_json
+from edgeflux.errors import UserError
 from edgeflux.memory import StepContext, fit_linear, format_bytes, measure_training_peak
 from edgeflux.models.units import UnitInfo, count_params
 from edgeflux.train import progress_bar
@@ -70,7 +71,7 @@ class UnitProfile:
         return cls(**d)
 
 
-class PoorFitError(RuntimeError):
+class PoorFitError(RuntimeError, UserError):
     """A unit's measured peaks are not close enough to a line in the batch size."""
 
     def __init__(self, index: int, name: str, r2: float, batches: Sequence[int], peaks: Sequence[int],

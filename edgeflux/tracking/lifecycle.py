@@ -20,6 +20,7 @@ from .experiment import resolve_experiment
 from .parents import parent_run, pipeline_id
 from .stage import StageRun
 from .store import sqlite_file, tracking_uri
+from edgeflux.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def close_orphaned_runs(client: MlflowClient, experiment_id: str) -> list[str]:
     return closed
 
 
-class TrackingStoreError(RuntimeError):
+class TrackingStoreError(RuntimeError, UserError):
     """The MLflow store cannot be opened (a damaged sqlite file, a server that is not there)."""
 
 

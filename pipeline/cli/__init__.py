@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 
-from edgeflux.presets import PresetError
+from edgeflux.errors import UserError
 
 from .common import RAW, Parser, UsageError, wrap
 from .compare import add_compare
@@ -64,6 +64,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (UsageError, PresetError) as exc:
+    except UserError as exc:   # UsageError, PresetError, and the library's (a tracking store it cannot open)
         print(f"edgeflux {args.command}: error: {exc}", file=sys.stderr)
         return 2

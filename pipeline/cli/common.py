@@ -6,6 +6,7 @@ import argparse
 import os
 import textwrap
 from datetime import UTC, datetime
+from edgeflux.errors import UserError
 
 RAW = argparse.RawDescriptionHelpFormatter
 
@@ -14,7 +15,7 @@ def wrap(text: str) -> str:
     return textwrap.fill(text, 96)   # descriptions: the raw formatter (which keeps the examples' layout) wraps nothing
 
 
-class UsageError(Exception):
+class UsageError(UserError):
     """A bad argument or input, reported as one line (exit 2) before anything runs."""
 
 

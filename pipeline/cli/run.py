@@ -198,7 +198,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     if not args.exp:
         set_params(overrides, PARAMS)
-    from pipeline.service import venv_env   # offline, the venv's dvc and python first on PATH
+    from edgeflux.environ import venv_env   # offline, the venv's dvc and python first on PATH
 
     rc = call(command, venv_env(env))
     if rc == 0:

@@ -14,7 +14,7 @@ from .common import RAW, UsageError, local_time, mlflow_client, run_info, store_
 
 
 def _dvc(*argv: str) -> subprocess.CompletedProcess:
-    from pipeline.service import venv_env
+    from edgeflux.environ import venv_env
 
     return subprocess.run(["dvc", *argv], check=False, capture_output=True, text=True, env=venv_env())
 

@@ -1,39 +1,35 @@
 """Long-running helper processes (servers, workers), started on loopback and always stopped.
 
-A `Service` is one command run in its own process group, with its output in a log file, ready once an
-HTTP probe answers 200. Stopping signals the whole group (SIGTERM, then SIGKILL after a grace period), so
-the children a command starts (uvicorn under `mlflow server`, a flow-run process under a Prefect worker)
-go with it. On Linux the service also dies with the thread that started it (PR_SET_PDEATHSIG), so a
-killed test, stage or bench leaves nothing behind: start it from a thread that outlives it.
+A `Service` is one command run in its own process group (edgeflux.process), with its output in a log
+file, ready once an HTTP probe answers 200. Stopping signals the whole group (SIGTERM, then SIGKILL after a
+grace period), so the children a command starts (uvicorn under `mlflow server`, a flow-run process under a
+Prefect worker) go with it. On Linux the service also dies with the thread that started it
+(PR_SET_PDEATHSIG), so a killed test, stage or bench leaves nothing behind: start it from a thread that
+outlives it.
 
 The services edgeflux runs (each the tool's own command, as its users start it by hand):
 
-    ModelServer (pipeline.cloud)   mlflow models serve      MEANet's cloud model
-    PrefectServer                  prefect server start     flow runs, deployments, schedules, work pools
-    MLflowServer                   mlflow server            every stage's run, from every machine
-    PrefectWorker                  prefect worker start     runs a pool's flow runs in its own clone
+    ModelServer (edgeflux.meanet.server)   mlflow models serve     MEANet's cloud model
+    PrefectServer (pipeline.servers)       prefect server start    flow runs, deployments, schedules, pools
+    MLflowServer (pipeline.servers)        mlflow server           every stage's run, from every machine
+    PrefectWorker (pipeline.servers)       prefect worker start    runs a pool's flow runs in its own clone
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
-import psutil
 
-from pipeline.settings import offline_env
+from edgeflux.environ import venv_env
+from edgeflux.process import kill_group, start_group, stop_group
 
 log = logging.getLogger(__name__)
-
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 class ServiceError(RuntimeError):
@@ -57,15 +53,6 @@ def port_in_use(host: str, port: int) -> bool:
         except OSError:
             return True
     return False
-
-
-def venv_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """This environment, offline, with this interpreter's `bin` first on PATH: MLflow execs `uvicorn` by name,
-    DVC stages run `python -m ...`, and both must be this venv's."""
-    bin_dir = str(Path(sys.executable).parent)
-    env = offline_env(os.environ)
-    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
-    return {**env, **(extra or {})}
 
 
 class Service:
@@ -109,10 +96,8 @@ class Service:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("starting the %s on %s (log: %s)", self.name, self.url, self.log_path)
         with self.log_path.open("wb") as out:   # the child keeps its own descriptor
-            # preexec_fn, unsafe beside threads in general: die_with_parent only calls an already resolved prctl.
-            self.process = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT,
-                                            env=self.env or venv_env(), cwd=self.cwd, stdin=subprocess.DEVNULL,
-                                            start_new_session=True, preexec_fn=die_with_parent)  # noqa: PLW1509
+            self.process = start_group(self.command(), stdout=out, stderr=subprocess.STDOUT,
+                                       env=self.env or venv_env(), cwd=self.cwd, stdin=subprocess.DEVNULL)
         try:
             self._wait_ready()
         except BaseException:   # Ctrl-C while waiting too: never leave a service behind
@@ -149,21 +134,14 @@ class Service:
         process, self.process = self.process, None
         if process is None:
             return
-        signal_group(process.pid, signal.SIGTERM)
-        if not wait_group_gone(process, grace_s):
-            log.warning("%s on %s ignored SIGTERM for %g s: killing it", self.name, self.url, grace_s)
-            signal_group(process.pid, signal.SIGKILL)
-            wait_group_gone(process, 2.0)   # SIGKILL is not instant either: stopped means stopped
-        process.wait()
+        stop_group(process, grace_s, f"{self.name} on {self.url}")
         log.info("%s on %s stopped", self.name, self.url)
 
     def kill(self) -> None:
         """SIGKILL the whole group at once, as a power cut or the OOM killer would."""
-        if self.process is not None:
-            signal_group(self.process.pid, signal.SIGKILL)
-            wait_group_gone(self.process, 5.0)
-            self.process.wait()
-            self.process = None
+        process, self.process = self.process, None
+        if process is not None:
+            kill_group(process)
 
     def __enter__(self) -> Service:
         return self.start()
@@ -177,45 +155,3 @@ def _temp_log(name: str) -> Path:
     os.close(fd)
     return Path(path)
 
-
-_prctl = getattr(ctypes.CDLL(None), "prctl", None) if sys.platform.startswith("linux") else None
-
-
-def die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the parent thread dies (resolved beforehand: little runs here)."""
-    if _prctl is not None:
-        _prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-
-
-def signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether a live process is in the group. Zombies do not count: they hold no port and no memory, and one
-    that no init reaps (a container whose PID 1 does not) would make every stop wait out its grace period."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    for proc in psutil.process_iter():
-        try:
-            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
-                return True
-        except (OSError, psutil.Error):   # gone meanwhile
-            continue
-    return False
-
-
-def wait_group_gone(process: subprocess.Popen, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        process.poll()   # reap the leader: it is our child, no init reaps it
-        if not group_alive(process.pid):
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)

@@ -1,7 +1,8 @@
-"""Environment that keeps Prefect, MLflow and DVC offline and quiet: no telemetry, no phoning home.
+"""The environment of the tools edgeflux runs: Prefect, MLflow and DVC offline and quiet (no telemetry, no
+phoning home), and this interpreter's own commands first on PATH.
 
 Devices may be offline, and a run's output should show the user's stages, not tracebacks from
-background services trying to reach the internet. Every variable is read by the library itself
+background services trying to reach the internet. Every variable is read by the tool itself
 (nothing here touches logging levels, so real errors stay visible).
 
     os.environ.update(offline_env())               # before `import prefect` (see below)
@@ -14,7 +15,10 @@ one rule (before the import) is simpler than knowing which setting is read when.
 """
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 OFFLINE_ENV: dict[str, str] = {
     # Prefect's server (the ephemeral one every in-process flow run starts, and `prefect server start`)
@@ -49,3 +53,12 @@ def offline_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     ``offline_env(os.environ)``: a full environment for a subprocess.
     """
     return {**(base or {}), **OFFLINE_ENV}
+
+
+def venv_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This environment, offline, with this interpreter's `bin` first on PATH: MLflow execs `uvicorn` by name,
+    DVC stages run `python -m ...`, and both must be this venv's."""
+    bin_dir = str(Path(sys.executable).parent)
+    env = offline_env(os.environ)
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    return {**env, **(extra or {})}
