@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from edgeflux.bittrain import BitTrainOptions as BitTrainParams
-from edgeflux.data import DATASETS
+from edgeflux.data.options import DataParams
 from edgeflux.errors import UserError
 from edgeflux.finetune import FinetuneOptions, parse_method
 from edgeflux.models import ModelSpec
@@ -51,19 +51,6 @@ class DeviceParams(_Section):
 
 
 INHERITED = ("device", "budget", "max_batch", "bittrain")
-
-
-class DataParams(_Section):
-    dataset: Literal[DATASETS] = "fashion-mnist"
-    root: str | None = None
-    download: bool = False
-    image_size: int = Field(32, ge=8, le=512)
-    channels: Literal[1, 3] | None = None
-    val_fraction: float = Field(0.1, gt=0, lt=1)
-    split_by: Literal["data", "classes", "none"] = "data"
-    source_fraction: float = Field(0.5, gt=0, lt=1)
-    source_classes: list[int] | None = None
-    seed: int = 0
 
 
 class PretrainParams(TrainOptions):

@@ -16,34 +16,15 @@ which:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from edgeflux.finetune import parse_method
+from edgeflux.rows import MethodRow
 
 METHOD_LABELS = {"ft_all": "FT-All", "ft_last": "FT-Last", "ft_bn": "FT-BN", "ft_bn_bias": "FT-BN+Bias",
                  "ft_bias": "FT-Bias (TinyTL-B)", "ft_blocks": "FT-Blocks", "mobiletl": "MobileTL",
                  "elastic": "ElasticTrainer"}
-
-
-@dataclass
-class MethodRow:
-    method: str
-    stage: str                      # where its figures come from
-    starts_from: str                # scratch | a pretrained model
-    model: str
-    budget_mib: float | None
-    batch: str
-    peak_mib: float | None
-    trainable_params: int | None
-    params: int | None
-    train_s: float | None           # wall clock
-    cpu_s: float | None             # the process's CPU time
-    test_acc: float
-    to_target_cpu_s: float | None = None   # CPU time until validation accuracy first reached the report's target
-    pareto: bool = False            # no other row is at least as accurate with a smaller or equal peak
-    curve: str | None = None        # the accuracy-vs-time CSV its time to target is read from
-    plotted: bool = False           # its curve is drawn on the accuracy-vs-time plot
 
 
 def finetune_label(spec: str, bittrain: bool = False) -> str:
@@ -52,32 +33,6 @@ def finetune_label(spec: str, bittrain: bool = False) -> str:
     method, base, on = parse_method(spec)
     label = METHOD_LABELS[method] + (f" on {METHOD_LABELS[base]}" if base else "")
     return label + (" + BitTrain" if on or bittrain else "")
-
-
-@dataclass(frozen=True)
-class RowInputs:
-    """What a stage's summary_rows() reads: every stage's headline and details (keyed by stage name,
-    "finetune/<method>" per fine-tuning run), the "+ BitTrain" suffix of each params section whose stage ran
-    with it, and the fine-tuned model's key."""
-
-    head: Mapping[str, Mapping]
-    detail: Mapping[str, Mapping]
-    bittrain: Mapping[str, bool]
-    finetune_model: str | None = None
-
-    def plus(self, section: str) -> str:
-        return " + BitTrain" if self.bittrain.get(section) else ""
-
-
-def training_row(method: str, stage: str, starts_from: str, model: str, head: Mapping, **override) -> MethodRow:
-    """A row from a training stage's headline; `override` replaces what the headline does not say."""
-    row = MethodRow(method=method, stage=stage, starts_from=starts_from, model=model,
-                    budget_mib=head.get("budget_mib"), batch=str(head.get("batch", "-")), peak_mib=head.get("peak_mib"),
-                    trainable_params=head.get("trainable_params"), params=head.get("params"),
-                    train_s=head.get("train_time_s"), cpu_s=head.get("train_cpu_s"), test_acc=head.get("test_acc", 0.0))
-    for key, value in override.items():
-        setattr(row, key, value)
-    return row
 
 
 def mark_pareto(rows: list[MethodRow]) -> list[MethodRow]:

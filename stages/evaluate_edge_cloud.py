@@ -28,7 +28,7 @@ from edgeflux.meanet.model import load_meanet
 from edgeflux.meanet.plot import plot_sweep
 from edgeflux.meanet.server import ModelServer
 from edgeflux.tracking import stage_run
-from edgeflux.summary import MethodRow, RowInputs, training_row
+from edgeflux.rows import MethodRow, RowInputs, training_row
 from stages.common import run_stage, stage_parser, write_metrics
 from stages.registry import Stage
 

@@ -26,7 +26,8 @@ from edgeflux.elastic.plot import plot_selections
 from edgeflux.finetune import METHOD_HELP, finetune, parse_method
 from edgeflux.tracking import stage_run
 from edgeflux.train import resolve_device
-from edgeflux.summary import MethodRow, RowInputs, finetune_label, training_row
+from edgeflux.rows import MethodRow, RowInputs, training_row
+from edgeflux.summary import finetune_label
 from stages.common import peak_rss_bytes, run_stage, stage_parser, write_history_csv, write_metrics
 from stages.registry import MATRIX_ITEM, Stage
 

@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from edgeflux.report import memory_panels, plot_accuracy_vs_time, plot_bar_panels, time_to_target, read_curve
-from edgeflux.summary import MethodRow, RowInputs, mark_pareto, plot_pareto, rows_json, summary_markdown
+from edgeflux.rows import MethodRow, RowInputs
+from edgeflux.summary import mark_pareto, plot_pareto, rows_json, summary_markdown
 from stages.common import DETAILS_DIR, METRICS_DIR, run_stage, stage_parser
 from stages.registry import Stage, budgeted_sections, stages
 

@@ -20,7 +20,7 @@ from edgeflux.neuroflux.model import load_learners
 from edgeflux.neuroflux.plots import plot_exits
 from edgeflux.tracking import stage_run
 from edgeflux.train import evaluate
-from edgeflux.summary import MethodRow, RowInputs, training_row
+from edgeflux.rows import MethodRow, RowInputs, training_row
 from stages.common import run_stage, stage_parser, write_metrics
 from stages.registry import Stage, by_name
 

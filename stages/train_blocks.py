@@ -19,7 +19,7 @@ from edgeflux.neuroflux.profile import load_profile
 from edgeflux.neuroflux.worker import train_blocks
 from edgeflux.tracking import stage_run
 from edgeflux.train import resolve_device
-from edgeflux.summary import MethodRow, RowInputs, training_row
+from edgeflux.rows import MethodRow, RowInputs, training_row
 from stages.common import peak_rss_bytes, run_stage, stage_parser, write_history_csv, write_metrics
 from stages.registry import Stage
 

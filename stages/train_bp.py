@@ -16,7 +16,7 @@ from edgeflux.data import load_prepared, tensors
 from edgeflux.models import build_model
 from edgeflux.tracking import stage_run
 from edgeflux.train import resolve_device
-from edgeflux.summary import MethodRow, RowInputs, training_row
+from edgeflux.rows import MethodRow, RowInputs, training_row
 from stages.common import peak_rss_bytes, run_stage, stage_parser, write_history_csv, write_metrics
 from stages.registry import Stage
 

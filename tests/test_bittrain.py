@@ -736,3 +736,10 @@ def test_in_place_change_through_another_alias_after_a_temporary_view_was_saved_
     h.mul_(3)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.backward()
+
+
+def test_the_params_schema_names_the_store_dtypes_the_bitmap_has():
+    from edgeflux.bittrain.bitmap import STORE_DTYPES
+    from edgeflux.bittrain.options import STORE_DTYPE_NAMES
+
+    assert tuple(STORE_DTYPES) == STORE_DTYPE_NAMES

@@ -11,6 +11,10 @@ function runs); only imports under ``if TYPE_CHECKING:`` are left out (they neve
   a/b.py, ``from pkg import name`` to pkg/name.py where that is a module and to pkg/__init__.py
   otherwise, even from inside pkg (a submodule that reads its own package's ``__init__``, which imports
   the submodule, is a cycle: it sees the package half-initialised).
+
+A package whose ``__init__`` resolves its names on first use (``edgeflux.lazy.lazy_exports``, so that the
+torch-free options load without torch) counts in both graphs as the import of the submodule that defines
+each name asked for: that is the code that runs.
 """
 from __future__ import annotations
 
@@ -69,6 +73,29 @@ class _Imports(ast.NodeVisitor):
         self.found.append((base, [alias.name for alias in node.names]))
 
 
+def lazy_names(path: Path, package: str) -> dict[str, str]:
+    """name -> the module that defines it, read from a package __init__'s `lazy_exports(__name__, {...})`."""
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "lazy_exports" and len(node.args) == 2:
+            modules = ast.literal_eval(node.args[1])
+            return {name: module if "." in module else f"{package}.{module}"
+                    for module, names in modules.items() for name in names}
+    return {}
+
+
+def _lazy(modules: dict[str, Path]) -> dict[str, dict[str, str]]:
+    return {name: found for name, path in modules.items() if path.name == "__init__.py"
+            and (found := lazy_names(path, name))}
+
+
+def _resolve(module: str, names: list[str] | None, lazy: dict[str, dict[str, str]]) -> list[tuple[str, list[str] | None]]:
+    """One import statement as the imports that run: names of a lazy package come from their submodules."""
+    if names is None or module not in lazy:
+        return [(module, names)]
+    direct = [n for n in names if n not in lazy[module]]
+    return [(module, direct)] * bool(direct) + [(lazy[module][n], None) for n in names if n in lazy[module]]
+
+
 def _parents(module: str) -> list[str]:
     parts = module.split(".")
     return [".".join(parts[:i]) for i in range(1, len(parts))]
@@ -92,10 +119,10 @@ def _imports_of(name: str, path: Path) -> list[tuple[str, list[str] | None]]:
 
 def import_graph(root: Path = PACKAGE) -> ImportGraph:
     modules = module_names(root)
-    known = set(modules)
+    known, lazy = set(modules), _lazy(modules)
     graph = ImportGraph()
     for name, path in modules.items():
-        found = _imports_of(name, path)
+        found = [r for m, names in _imports_of(name, path) for r in _resolve(m, names, lazy)]
         graph.edges[name] = set().union(*(_targets(name, m, names, known) for m, names in found)) & known
         graph.named[name] = {m for m, _ in found}
     return graph
@@ -111,8 +138,9 @@ def _file_targets(module: str, names: list[str] | None, known: set[str]) -> set[
 def file_graph(roots: tuple[Path, ...] = LAYERS) -> dict[str, set[str]]:
     """module -> the modules whose files its imports name (see the module docstring)."""
     modules = {name: path for root in roots for name, path in module_names(root).items()}
-    known = set(modules)
-    return {name: set().union(*(_file_targets(m, names, known) for m, names in _imports_of(name, path))) - {name}
+    known, lazy = set(modules), _lazy(modules)
+    return {name: set().union(*(_file_targets(r, names, known) for m, n in _imports_of(name, path)
+                                for r, names in _resolve(m, n, lazy))) - {name}
             for name, path in modules.items()}
 
 
@@ -219,3 +247,22 @@ def test_the_file_graph_counts_a_package_init_and_submodules(tmp_path):
     edges = file_graph((pkg,))
     assert edges == {"pkg": {"pkg.a"}, "pkg.a": {"pkg", "pkg.b"}, "pkg.b": set(), "pkg.c": {"pkg.a", "pkg.b"}}
     assert find_cycles(edges) == [["pkg", "pkg.a", "pkg"]]
+
+
+def test_a_lazy_package_counts_as_the_submodules_it_hands_out(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    files = {
+        "__init__.py": 'from edgeflux.lazy import lazy_exports\n'
+                       '__getattr__, __dir__, __all__ = lazy_exports(__name__, {"heavy": ["f"], "light": ["g"]})\n',
+        "heavy.py": "def f(): ...\n",
+        "light.py": "from pkg import f\n",       # runs heavy, which imports light back: a cycle through the package
+        "user.py": "from pkg import g\n",
+    }
+    for rel, text in files.items():
+        (pkg / rel).write_text(text)
+    (pkg / "heavy.py").write_text("import pkg.light\ndef f(): ...\n")
+    graph = import_graph(pkg)
+    assert graph.edges["pkg.user"] == {"pkg.light"} and "pkg.heavy" in graph.edges["pkg.light"]
+    assert find_cycles(graph.edges) == [["pkg.heavy", "pkg.light", "pkg.heavy"]]
+    assert find_cycles(file_graph((pkg,))) == [["pkg.heavy", "pkg.light", "pkg.heavy"]]

@@ -30,7 +30,7 @@ def _stage_files():
 
 def method_rows(head, detail, bittrain, finetune_model):
     """The report's rows: every registered stage's summary_rows, in dvc.yaml's order."""
-    from edgeflux.summary import RowInputs
+    from edgeflux.rows import RowInputs
     from stages.report import collect_rows
 
     return collect_rows(RowInputs(head, detail, bittrain, finetune_model))
@@ -50,7 +50,8 @@ def test_every_method_gets_a_row_with_its_own_figures():
 
 
 def test_pareto_front_is_the_rows_no_other_row_dominates():
-    from edgeflux.summary import MethodRow, mark_pareto
+    from edgeflux.rows import MethodRow
+    from edgeflux.summary import mark_pareto
 
     def row(name, peak, acc):
         return MethodRow(name, "s", "scratch", "m", 64.0, "1", peak, 1, 1, 1.0, 1.0, acc)

