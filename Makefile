@@ -48,7 +48,7 @@ compiler:
 		|| echo "g++ could not be installed: BitTrain runs on its slower torch-op path"
 
 bench: setup
-	python bench/memory_baseline.py
+	python -m bench.memory_baseline
 
 clean-venv:
 	rm -rf $(VENV)

@@ -14,28 +14,25 @@ a second table gives, for each, the most any batch size could speed backprop up 
 paper's speed-up that comes from batch size. It is read from the whole network's curve; a
 NeuroFlux block (a slice of the network with its auxiliary heads) has a curve of its own.
 
-    python bench/batch_throughput.py --threads 1         # as bench/neuroflux.py's runs (one per core)
-    python bench/batch_throughput.py --quick --out /tmp/bench
+    python -m bench.batch_throughput --threads 1         # as bench/neuroflux.py's runs (one per core)
+    python -m bench.batch_throughput --quick --out /tmp/bench
 """
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
+import matplotlib.pyplot as plt
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from bench.common import RESULTS_DIR, BenchResult, bench_argparser  # noqa: E402
-from edgeflux.memory import training_step_fn  # noqa: E402
-from edgeflux.models import build_model  # noqa: E402
+from bench.common import RESULTS_DIR, BenchResult, bench_argparser
+from edgeflux.memory import training_step_fn
+from edgeflux.models import build_model
 
 NAME = "batch_throughput"
 SAMPLE_SHAPE, NUM_CLASSES = (1, 32, 32), 10

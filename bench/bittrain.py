@@ -13,8 +13,8 @@
     double_mask (BN models); step-time ratio vs dense from interleaved repetitions in one run;
     test accuracy after a short training per setting.
 
-    python bench/bittrain.py                      # full run, results in bench/results/
-    python bench/bittrain.py --quick --out /tmp/bench
+    python -m bench.bittrain                      # full run, results in bench/results/
+    python -m bench.bittrain --quick --out /tmp/bench
 """
 from __future__ import annotations
 
@@ -23,23 +23,21 @@ import gc
 import math
 import resource
 import statistics
-import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
+import torch
+import torch.nn.functional as F
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
-
-from bench.common import BenchResult, bench_argparser  # noqa: E402
-from edgeflux.bittrain import BitTrainOptions, compress, kernel  # noqa: E402
-from edgeflux.data import batches, load_raw, prepare, tensors  # noqa: E402
-from edgeflux.memory import MiB, measure_training_peak, retain_freed_heap, track_live_tensors  # noqa: E402
-from edgeflux.models import build_model  # noqa: E402
-from edgeflux.report import BarPanel, plot_bar_panels  # noqa: E402
+from bench.common import BenchResult, bench_argparser
+from edgeflux.bittrain import BitTrainOptions, compress, kernel
+from edgeflux.data import batches, load_raw, prepare, tensors
+from edgeflux.memory import MiB, measure_training_peak, retain_freed_heap, track_live_tensors
+from edgeflux.models import build_model
+from edgeflux.report import BarPanel, plot_bar_panels
 
 NAME = "bittrain"
 TABLE1_SHAPES = ((3, 224, 224), (7, 112, 112), (64, 56, 56), (128, 28, 28), (256, 14, 14), (512, 7, 7))
@@ -158,10 +156,10 @@ def table1(batch: int, runs: int, bandwidth: dict, progress: Progress) -> list[d
                 measured = tracker.current_bytes - before      # live bytes the compressed tensor holds
             assert torch.equal(packed.decompress(), t)
             theoretical = packed.theoretical_bytes()
-            t_c = median_time(lambda: compress(t), runs)
+            t_c = median_time(partial(compress, t), runs)
             t_d = median_time(packed.decompress, runs)
             with kernel.disabled():                           # the same on the torch-op path
-                t_c_ops = median_time(lambda: compress(t), runs)
+                t_c_ops = median_time(partial(compress, t), runs)
                 t_d_ops = median_time(packed.decompress, runs)
             rows.append({
                 "case": f"table1 {batch}x{'x'.join(map(str, shape))} {density:.0%} non-zero",

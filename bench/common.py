@@ -87,9 +87,29 @@ def machine_line(info: dict[str, Any]) -> str:
             f"CUDA: {cuda} · {info['date']}")
 
 
+def _invocation() -> list[str]:
+    """How the running program was started, before its arguments: ["-m", "bench.<name>"] for a benchmark.
+
+    Under `python -m bench.<name>`, sys.argv[0] is the module's absolute file path, so the module's name
+    is taken instead; a bench/<name>.py run as a file is given in that same form.
+    """
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    script = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else None
+    if spec is not None and spec.name:
+        return ["-m", spec.name.removesuffix(".__main__")]
+    if script is not None and script.suffix == ".py" and script.parent == Path(__file__).resolve().parent:
+        return ["-m", f"bench.{script.stem}"]
+    return sys.argv[:1]
+
+
+def program_name() -> str:
+    """The program as a usage line shows it (`python -m bench.<name>`; argparse would name the file)."""
+    return shlex.join(["python", *_invocation()])
+
+
 def command_line() -> str:
-    """The command that is running, as it could be typed again."""
-    return shlex.join(["python", *sys.argv])
+    """The command that is running, as it could be typed again from the repository root."""
+    return shlex.join(["python", *_invocation(), *sys.argv[1:]])
 
 
 def _cell(value: Any) -> str:
@@ -160,7 +180,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 def bench_argparser(description: str) -> argparse.ArgumentParser:
     """The flags every benchmark takes (--quick, --out); add the benchmark's own to the result."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=program_name(), description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="CI-sized run: fewer models/settings, small sizes; finishes in a minute or two")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR,

@@ -1,7 +1,7 @@
 """Compare the pipeline's committed outputs at two git revisions: what changed besides wall-clock figures.
 
-    python bench/compare_outputs.py REV_A REV_B            # every JSON value that differs
-    python bench/compare_outputs.py REV_A REV_B --peaks    # every measured peak side by side (markdown)
+    python -m bench.compare_outputs REV_A REV_B            # every JSON value that differs
+    python -m bench.compare_outputs REV_A REV_B --peaks    # every measured peak side by side (markdown)
 
 Reads every stage's figures (details/*.json, metrics/*.json before those existed), memory/*.json, profile/memory.json and partition/blocks.json with `git show`, so
 two `dvc repro` runs committed one after the other can be compared without checking either out. Times,
@@ -74,7 +74,8 @@ def peaks(a: str, b: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m bench.compare_outputs", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("a", help="the earlier revision (e.g. a commit id)")
     parser.add_argument("b", help="the later revision (e.g. HEAD)")
     parser.add_argument("--peaks", action="store_true", help="the measured peaks side by side instead of every change")

@@ -20,34 +20,31 @@ out cost nothing below the deepest selected one. Time-to-accuracy (Table 2): for
 full training's final accuracy, training seconds to reach each, elastic (rho 0.5) against the fastest
 baseline.
 
-    python bench/elastic.py --threads 2                  # full run, results in bench/results/ (about 12 min here)
-    python bench/elastic.py --quick --out /tmp/bench     # CI-sized: ResNet-18 only, 1 epoch, < 1 min
+    python -m bench.elastic --threads 2                  # full run, results in bench/results/ (about 12 min here)
+    python -m bench.elastic --quick --out /tmp/bench     # CI-sized: ResNet-18 only, 1 epoch, < 1 min
 """
 from __future__ import annotations
 
 import copy
 import logging
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
-
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-from rich.logging import RichHandler  # noqa: E402
+import matplotlib.pyplot as plt
+import torch
+from rich.logging import RichHandler
 
-from bench.common import BenchResult, HelpFormatter, bench_argparser  # noqa: E402
-from bench.mobiletl import load_data, pretrain  # noqa: E402
-from edgeflux.elastic import (ElasticBudgetError, ElasticOptions, classifier_names, profile_tensors, random_selections,  # noqa: E402
+from bench.common import BenchResult, HelpFormatter, bench_argparser
+from bench.mobiletl import load_data, pretrain
+from edgeflux.elastic import (ElasticBudgetError, ElasticOptions, classifier_names, profile_tensors, random_selections,
                               validate_time_model)
-from edgeflux.elastic.plot import plot_selections  # noqa: E402
-from edgeflux.finetune import FinetuneOptions, finetune  # noqa: E402
-from edgeflux.train import make_optimizer  # noqa: E402
+from edgeflux.elastic.plot import plot_selections
+from edgeflux.finetune import FinetuneOptions, finetune
+from edgeflux.train import make_optimizer
 
 NAME = "elastic"
 log = logging.getLogger("bench.elastic")

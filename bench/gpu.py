@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from bench import batch_throughput, neuroflux
-from bench.common import RESULTS_DIR, BenchResult, HelpFormatter
+from bench.common import RESULTS_DIR, BenchResult, HelpFormatter, program_name
 from bench.gpu_parts import (aggregate_neuroflux, bittrain_rows, budgeted_runs, finetune_rows, memory_rows,
                               plot_memory, plot_neuroflux)
 from edgeflux.memory import format_bytes
@@ -60,7 +60,7 @@ QUICK = {"nf": ["--quick", "--budgets", "3.0"], "tp": ["--quick"], "tests": ["-k
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(prog=program_name(), description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="where to run: cuda on the GPU machine, cpu to try the same code here")
     parser.add_argument("--quick", action="store_true", help="CI-sized settings (small models, little data)")

@@ -19,39 +19,36 @@ are genuinely hard. For each CNN (CIFAR-style ResNet-18, MobileNetV2; CPU-sized 
 
 Tables IV-V (ResNet-18 model A, as the paper): hard vs random class selection and several n_hard.
 
-    python bench/meanet.py --threads 2                  # full run, results in bench/results/ (about 20 min here)
-    python bench/meanet.py --quick --out /tmp/bench     # CI-sized: ResNet-18 B only, small data, 3 thresholds
+    python -m bench.meanet --threads 2                  # full run, results in bench/results/ (about 20 min here)
+    python -m bench.meanet --quick --out /tmp/bench     # CI-sized: ResNet-18 B only, small data, 3 thresholds
 """
 from __future__ import annotations
 
 import copy
 import logging
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
+import torch
+from rich.logging import RichHandler
 
-import torch  # noqa: E402
-from rich.logging import RichHandler  # noqa: E402
-
-from bench.common import BenchResult, HelpFormatter, bench_argparser  # noqa: E402
-from edgeflux.backprop import train_under_budget  # noqa: E402
-from edgeflux.data import load_raw, prepare, tensors  # noqa: E402
-from edgeflux.meanet.cloud import CloudClient  # noqa: E402
-from edgeflux.meanet.cost import CostModel  # noqa: E402
-from edgeflux.meanet.evaluate import edge_cloud_report, edge_tables  # noqa: E402
-from edgeflux.meanet.hard import detection_accuracy, entropy_range, hard_classes  # noqa: E402
-from edgeflux.meanet.model import MEANetSpec, block_costs, build_meanet, main_block  # noqa: E402
-from edgeflux.meanet.plot import plot_sweep  # noqa: E402
-from edgeflux.meanet.server import ModelServer  # noqa: E402
-from edgeflux.meanet.train import edge_step_memory, joint_step_memory, main_logits, train_edge, train_main_block  # noqa: E402
-from edgeflux.models import build_model  # noqa: E402
-from edgeflux.neuroflux.plots import _pyplot, _save  # noqa: E402
-from edgeflux.tracking import save_model_dir  # noqa: E402
-from edgeflux.train import MemoryOptions, TrainOptions, evaluate  # noqa: E402
+from bench.common import BenchResult, HelpFormatter, bench_argparser
+from edgeflux.backprop import train_under_budget
+from edgeflux.data import load_raw, prepare, tensors
+from edgeflux.meanet.cloud import CloudClient
+from edgeflux.meanet.cost import CostModel
+from edgeflux.meanet.evaluate import edge_cloud_report, edge_tables
+from edgeflux.meanet.hard import detection_accuracy, entropy_range, hard_classes
+from edgeflux.meanet.model import MEANetSpec, block_costs, build_meanet, main_block
+from edgeflux.meanet.plot import plot_sweep
+from edgeflux.meanet.server import ModelServer
+from edgeflux.meanet.train import edge_step_memory, joint_step_memory, main_logits, train_edge, train_main_block
+from edgeflux.models import build_model
+from edgeflux.neuroflux.plots import _pyplot, _save
+from edgeflux.tracking import save_model_dir
+from edgeflux.train import MemoryOptions, TrainOptions, evaluate
 
 NAME = "meanet"
 log = logging.getLogger("bench.meanet")

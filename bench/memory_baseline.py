@@ -10,27 +10,24 @@ difference is scratch that kernels allocate and free inside one op). A least-squ
 line over the batch sizes (an estimate, labelled so) shows what NeuroFlux builds on: memory is
 linear in the batch size and, beyond small batches, activations dominate.
 
-    python bench/memory_baseline.py            # full run, results in bench/results/
-    python bench/memory_baseline.py --quick --out /tmp/bench
+    python -m bench.memory_baseline            # full run, results in bench/results/
+    python -m bench.memory_baseline --quick --out /tmp/bench
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
+import matplotlib.pyplot as plt
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from bench.common import BenchResult, bench_argparser  # noqa: E402
-from edgeflux.memory import (MiB, TrainStep, fit_linear, live_tensor_peak, measure_training_peak,  # noqa: E402
+from bench.common import BenchResult, bench_argparser
+from edgeflux.memory import (MiB, TrainStep, fit_linear, live_tensor_peak, measure_training_peak,
                              saved_bytes_by_node)
-from edgeflux.models import build_model  # noqa: E402
+from edgeflux.models import build_model
 
 NAME = "memory_baseline"
 MODELS = ("vgg16", "resnet18", "mobilenet_v2")

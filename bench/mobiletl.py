@@ -21,9 +21,9 @@
     --measure-batch (so FT-All fits only a small batch); each method trains at the largest batch whose
     measured step fits it (edgeflux.finetune chooses it): batch, peak at that batch, test accuracy.
 
-    python bench/mobiletl.py --threads 2                # full run (under 25 min on 2 cores), results in bench/results/
-    python bench/mobiletl.py --quick --out /tmp/bench   # CI-sized: MobileNetV3-small only, < 2 min on 1 thread
-    python bench/mobiletl.py --models mobilenet_v2 --skip-budget --out /tmp/bench
+    python -m bench.mobiletl --threads 2                # full run (under 25 min on 2 cores), results in bench/results/
+    python -m bench.mobiletl --quick --out /tmp/bench   # CI-sized: MobileNetV3-small only, < 2 min on 1 thread
+    python -m bench.mobiletl --models mobilenet_v2 --skip-budget --out /tmp/bench
 """
 from __future__ import annotations
 
@@ -31,36 +31,33 @@ import copy
 import logging
 import math
 import statistics
-import sys
 import time
 import warnings
 from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
-
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-from rich.logging import RichHandler  # noqa: E402
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
-from torch import nn  # noqa: E402
-from torchvision.models import mobilenetv2, mobilenetv3  # noqa: E402
+import matplotlib.pyplot as plt
+import torch
+from rich.logging import RichHandler
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from torch import nn
+from torchvision.models import mobilenetv2, mobilenetv3
 
-from bench.common import BenchResult, HelpFormatter, bench_argparser  # noqa: E402
-from edgeflux.backprop import train_under_budget  # noqa: E402
-from edgeflux.bittrain import BitTrainOptions  # noqa: E402
-from edgeflux.data import load_raw, prepare, tensors  # noqa: E402
-from edgeflux.finetune import FinetuneOptions, calibration_batches, count_flops, finetune  # noqa: E402
-from edgeflux.finetune import prepare as prepare_method  # noqa: E402
-from edgeflux.memory import (MiB, BudgetTooSmallError, TrainStep, format_bytes, measure_training_step,  # noqa: E402
+from bench.common import BenchResult, HelpFormatter, bench_argparser
+from edgeflux.backprop import train_under_budget
+from edgeflux.bittrain import BitTrainOptions
+from edgeflux.data import load_raw, prepare, tensors
+from edgeflux.finetune import FinetuneOptions, calibration_batches, count_flops, finetune
+from edgeflux.finetune import prepare as prepare_method
+from edgeflux.memory import (MiB, BudgetTooSmallError, TrainStep, format_bytes, measure_training_step,
                              saved_bytes_by_node)
-from edgeflux.mobiletl import sign_backward, transform_block  # noqa: E402
-from edgeflux.models import build_model, count_params  # noqa: E402
-from edgeflux.models.units import train_mode  # noqa: E402
-from edgeflux.train import MemoryOptions, TrainOptions, optimizer_factory  # noqa: E402
+from edgeflux.mobiletl import sign_backward, transform_block
+from edgeflux.models import build_model, count_params
+from edgeflux.models.units import train_mode
+from edgeflux.train import MemoryOptions, TrainOptions, optimizer_factory
 
 NAME = "mobiletl"
 log = logging.getLogger("bench.mobiletl")

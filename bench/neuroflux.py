@@ -23,36 +23,33 @@ and writing caches. Every NeuroFlux exit's validation and test accuracy is kept 
 the exit chosen and the largest with >= 10x fewer parameters than the full model, and
 neuroflux_exits.png plots accuracy and parameters per exit (the paper's Figure 10).
 
-    python bench/neuroflux.py                  # full run, results in bench/results/
-    python bench/neuroflux.py --quick --out /tmp/bench
+    python -m bench.neuroflux                  # full run, results in bench/results/
+    python -m bench.neuroflux --quick --out /tmp/bench
 """
 from __future__ import annotations
 
 import argparse
 import json
 import logging
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.common import RESULTS_DIR, BenchResult, HelpFormatter  # noqa: E402
-from edgeflux.backprop import train_under_budget  # noqa: E402
-from edgeflux.config import MemoryOptions, NeuroFluxParams  # noqa: E402
-from edgeflux.data import load_raw, prepare, tensors  # noqa: E402
-from edgeflux.memory import BudgetTooSmallError, MiB, format_bytes, measure_training_peak  # noqa: E402
-from edgeflux.models import build_model, count_params  # noqa: E402
-from edgeflux.neuroflux.aux import exit_params  # noqa: E402
-from edgeflux.neuroflux.exit import select_exit  # noqa: E402
-from edgeflux.neuroflux.model import build_learners  # noqa: E402
-from edgeflux.neuroflux.partition import Block, partition, unit_batch_sizes  # noqa: E402
-from edgeflux.neuroflux.profile import profile_units, profiling_seconds  # noqa: E402
-from edgeflux.neuroflux.worker import CacheOptions, train_blocks  # noqa: E402
-from edgeflux.train import optimizer_factory  # noqa: E402
+from bench.common import RESULTS_DIR, BenchResult, HelpFormatter, program_name
+from edgeflux.backprop import train_under_budget
+from edgeflux.config import MemoryOptions, NeuroFluxParams
+from edgeflux.data import load_raw, prepare, tensors
+from edgeflux.memory import BudgetTooSmallError, MiB, format_bytes, measure_training_peak
+from edgeflux.models import build_model, count_params
+from edgeflux.neuroflux.aux import exit_params
+from edgeflux.neuroflux.exit import select_exit
+from edgeflux.neuroflux.model import build_learners
+from edgeflux.neuroflux.partition import Block, partition, unit_batch_sizes
+from edgeflux.neuroflux.profile import profile_units, profiling_seconds
+from edgeflux.neuroflux.worker import CacheOptions, train_blocks
+from edgeflux.train import optimizer_factory
 
 log = logging.getLogger("bench.neuroflux")
 METHODS = {"neuroflux": "NeuroFlux", "backprop": "backprop", "classic": "classic LL"}
@@ -60,7 +57,7 @@ COLORS = {"NeuroFlux": "tab:blue", "backprop": "tab:orange", "classic LL": "tab:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(prog=program_name(), description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="CI-sized run: one narrow model, 512 training images, 1 epoch, two budgets")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="directory for neuroflux.{json,md,png}")

@@ -21,9 +21,9 @@ stage, a worker's pick-up latency and the cloud -> device round trip through rea
    remote, Prefect and MLflow servers and one worker per clone (pipeline.sandbox, as tests/test_orchestration.py
    runs them): from triggering cloud_flow/cloud until device_flow/pi (the device stages) is Completed.
 
-    python bench/pipeline.py                          # full run (default params), results in bench/results/
-    python bench/pipeline.py --quick --out /tmp/bench # CI-sized params everywhere, workers polling every 2 s
-    python bench/pipeline.py --quick --target train_bp --out /tmp/bench   # items 1-3 on two stages (the test's)
+    python -m bench.pipeline                          # full run (default params), results in bench/results/
+    python -m bench.pipeline --quick --out /tmp/bench # CI-sized params everywhere, workers polling every 2 s
+    python -m bench.pipeline --quick --target train_bp --out /tmp/bench   # items 1-3 on two stages (the test's)
 
 Servers, workers and the timed commands are always stopped, on an error or Ctrl-C too.
 """
@@ -41,17 +41,15 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
+import yaml
+from rich.logging import RichHandler
 
-import yaml  # noqa: E402
-from rich.logging import RichHandler  # noqa: E402
-
-from bench.common import BenchResult, HelpFormatter, bench_argparser  # noqa: E402
-from edgeflux.environ import offline_env, venv_env  # noqa: E402
-from edgeflux.neuroflux.plots import _pyplot, _save  # noqa: E402
-from edgeflux.process import start_group, stop_group  # noqa: E402
-from pipeline.sandbox import DEVICE_STAGES, GIT_IDENTITY, REPO, quick_params, sandbox, sh  # noqa: E402
-from pipeline.servers import PrefectServer  # noqa: E402
+from bench.common import BenchResult, HelpFormatter, bench_argparser
+from edgeflux.environ import offline_env, venv_env
+from edgeflux.neuroflux.plots import _pyplot, _save
+from edgeflux.process import start_group, stop_group
+from pipeline.sandbox import DEVICE_STAGES, GIT_IDENTITY, REPO, quick_params, sandbox, sh
+from pipeline.servers import PrefectServer
 
 NAME = "pipeline"
 log = logging.getLogger("bench.pipeline")

@@ -14,27 +14,24 @@ Each case trains a model on the batches (SGD, one step per batch); the figure is
 the fastest of the repetitions (interleaved, so drifts hit every variant alike), and its ratio
 to "no prefetch" measured in the same run.
 
-    python bench/prefetch.py                  # full run, results in bench/results/prefetch.{json,md}
-    python bench/prefetch.py --quick --out /tmp/bench
+    python -m bench.prefetch                  # full run, results in bench/results/prefetch.{json,md}
+    python -m bench.prefetch --quick --out /tmp/bench
 """
 from __future__ import annotations
 
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
+import torch
+import torch.nn.functional as F
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from torch import nn
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
-from torch import nn  # noqa: E402
-
-from bench.common import BenchResult, bench_argparser  # noqa: E402
-from edgeflux.data import load_raw, prepare, tensors  # noqa: E402
-from edgeflux.models import build_model  # noqa: E402
-from edgeflux.neuroflux.cache import ActivationCache, Batches, CacheWriter, TensorSource  # noqa: E402
+from bench.common import BenchResult, bench_argparser
+from edgeflux.data import load_raw, prepare, tensors
+from edgeflux.models import build_model
+from edgeflux.neuroflux.cache import ActivationCache, Batches, CacheWriter, TensorSource
 
 NAME = "prefetch"
 FULL = {"samples": 12_800, "steps": 100, "reps": 3}

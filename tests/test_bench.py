@@ -1,8 +1,10 @@
 """The benchmark harness in quick mode writes its JSON and markdown side by side, with real figures."""
+import importlib.machinery
 import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import psutil
@@ -12,10 +14,26 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_bench(script: str, tmp_path: Path, *flags: str, timeout: int = 600) -> dict:
-    """Run bench/<script>.py with `flags`, results into tmp_path; its JSON."""
-    cmd = [sys.executable, f"bench/{script}.py", *flags, "--out", str(tmp_path)]
+    """Run `python -m bench.<script>` with `flags`, results into tmp_path; its JSON."""
+    cmd = [sys.executable, "-m", f"bench.{script}", *flags, "--out", str(tmp_path)]
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True, timeout=timeout)
-    return json.loads((tmp_path / f"{script}.json").read_text())
+    result = json.loads((tmp_path / f"{script}.json").read_text())
+    assert result["command"].startswith(f"python -m bench.{script} "), result["command"]
+    return result
+
+
+def test_command_is_recorded_as_the_module_it_runs(monkeypatch):
+    from bench.common import command_line
+
+    main = types.ModuleType("__main__")   # run as a file: no module spec
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    monkeypatch.setattr(sys, "argv", [str(REPO / "bench" / "prefetch.py"), "--quick", "--out", "/tmp/a b"])
+    assert command_line() == "python -m bench.prefetch --quick --out '/tmp/a b'"
+    main.__spec__ = importlib.machinery.ModuleSpec("bench.prefetch", None)   # python -m bench.prefetch
+    assert command_line() == "python -m bench.prefetch --quick --out '/tmp/a b'"
+    monkeypatch.setattr(main, "__spec__", None)
+    monkeypatch.setattr(sys, "argv", ["-c", "--quick"])
+    assert command_line() == "python -c --quick"
 
 
 def test_memory_baseline_quick_writes_json_and_markdown(tmp_path):
@@ -101,7 +119,7 @@ def test_neuroflux_quick_compares_three_methods_at_equal_budgets(tmp_path):
     assert goals["vgg11-w0.125: trains where backprop cannot (below its batch-1 minimum)"] is True
     assert goals["measured peak <= budget in every block of every run"] is True
     again = tmp_path / "again"
-    subprocess.run([sys.executable, "bench/neuroflux.py", "--combine", str(tmp_path / "neuroflux.json"), "--out",
+    subprocess.run([sys.executable, "-m", "bench.neuroflux", "--combine", str(tmp_path / "neuroflux.json"), "--out",
                     str(again)], cwd=REPO, check=True, capture_output=True, text=True, timeout=300)
     combined = json.loads((again / "neuroflux.json").read_text())
     assert combined["rows"] == rows and combined["targets"] == result["targets"]
