@@ -138,7 +138,7 @@ def _exit(channels: int, classes: int) -> nn.Sequential:
 def _resize_last_linear(module: nn.Module, classes: int) -> None:
     """Replace the last nn.Linear in `module` by a new one with `classes` outputs (same inputs)."""
     parent, name, linear = None, None, None
-    for mod_name, mod in module.named_modules():
+    for mod in module.modules():
         for child_name, child in mod.named_children():
             if isinstance(child, nn.Linear):
                 parent, name, linear = mod, child_name, child
