@@ -8,8 +8,7 @@
     python -m edgeflux.presets check             # params.yaml as the stages will read it (one line per problem)
 
 A preset is checked when it is loaded (unknown fields, a wrong type). The merged params.yaml is checked by
-`check`, in its own process: the flows run it before any stage, so a bad override stops them early without
-the flow's long-lived process importing torch (params validation does: ~350 MB on a 4 GB device).
+`check` (edgeflux.config, torch-free): the flows check it before any stage, so a bad override stops them early.
 presets/README.md says what each field means and where the values come from.
 """
 from __future__ import annotations
@@ -139,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in available():
             print(f"{name:<14} {load_preset(name).description}")
         return 0
-    from edgeflux.config import ParamsError, load_params   # imports torch: only here
+    from edgeflux.config import ParamsError, load_params
     try:
         load_params(args.params)
     except ParamsError as exc:

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import socket
-import sys
 from graphlib import TopologicalSorter
 from pathlib import Path
 
@@ -132,11 +131,14 @@ def device_id() -> str:
 @task(task_run_name="params: {names}")
 def apply_params(names: str, overrides: dict, env: dict[str, str]) -> None:
     """The preset's and the run's overrides into params.yaml (comments kept), then checked as the stages will
-    read it, in a child process (validation imports torch; this long-lived flow process should not)."""
+    read it (edgeflux.config loads without torch, which this long-lived flow process should not hold)."""
+    from edgeflux.config import ParamsError, load_params
+
     set_params(overrides)
-    check = command([sys.executable, "-m", "edgeflux.presets", "check"], env=env, check=False)
-    if check.returncode != 0:
-        raise PresetError(check.stderr.strip() or check.stdout.strip())
+    try:
+        load_params()
+    except ParamsError as exc:
+        raise PresetError(str(exc)) from None
     get_run_logger().info("params.yaml: %s", ", ".join(f"{k}={v}" for k, v in overrides.items()))
 
 

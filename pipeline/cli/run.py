@@ -7,8 +7,6 @@ import json
 import re
 import shlex
 import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -60,27 +58,14 @@ def collect_overrides(args: argparse.Namespace, preset: Preset | None, params: d
 
 
 def check_params(merged: dict) -> None:
-    """Validate params as the stages will (edgeflux.config); UsageError with its message, one line per problem.
+    """Validate params as the stages will (edgeflux.config, which loads without torch); UsageError with its
+    message, one line per problem."""
+    from edgeflux.config import ParamsError, validate
 
-    In a child process (`python -m edgeflux.presets check`): validation imports torch (~350 MB, seconds on a
-    Pi) and this process then waits on `dvc repro` for hours. When this process has it already (tests, a
-    notebook), the same check runs here."""
-    if "edgeflux.config" in sys.modules:
-        from edgeflux.config import ParamsError, validate
-
-        try:
-            validate(merged, where=CHECKED)
-        except ParamsError as exc:
-            raise UsageError(str(exc)) from None
-        return
-    with tempfile.TemporaryDirectory(prefix="edgeflux-params-") as tmp:
-        path = Path(tmp) / "params.yaml"
-        path.write_text(yaml.safe_dump(merged, sort_keys=False))
-        check = subprocess.run([sys.executable, "-m", "edgeflux.presets", "check", str(path)],
-                               check=False, capture_output=True, text=True)
-    if check.returncode != 0:
-        raise UsageError((check.stderr.strip() or check.stdout.strip() or "params check failed")
-                         .replace(str(path), CHECKED))
+    try:
+        validate(merged, where=CHECKED)
+    except ParamsError as exc:
+        raise UsageError(str(exc)) from None
 
 
 _MISSING = object()
