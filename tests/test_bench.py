@@ -223,8 +223,9 @@ def test_meanet_quick_trains_the_edge_and_routes_through_the_real_cloud(tmp_path
 
 @pytest.mark.slow   # starts Prefect and MLflow servers and workers, as tests/test_orchestration.py does
 def test_pipeline_quick_times_dvc_prefect_workers_and_the_round_trip(tmp_path):
-    # --target train_bp: the fresh clone reproduces prepare and train_bp only (every stage's repro is
-    # test_pipeline's); the round trip is the whole cloud -> device path through real servers and workers
+    # --target train_bp: the fresh clone reproduces prepare and train_bp only, and the round trip runs them
+    # through real servers and workers (cloud_flow prepare, device_flow train_bp); every stage's repro is
+    # test_pipeline's, the whole cloud -> device path test_orchestration's
     work = tmp_path / "work"
     result = run_bench("pipeline", tmp_path, "--quick", "--target", "train_bp", "--workdir", str(work), timeout=1200)
     figures = ("repro_s", "noop_s", "prefect_overhead_s", "pickup_s", "roundtrip_s")

@@ -18,8 +18,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
-    # several epochs per block: an interrupted block has a checkpoint to resume from
-    with sandbox(tmp_path_factory.mktemp("system"), overrides={"neuroflux": {"epochs": 3}}) as system:
+    # One fine-tuning method: the flows' tests need a fine-tuning stage, not every method (each method's run is
+    # test_pipeline's). The killed-worker test gives train_blocks the epochs it needs to be interrupted itself.
+    with sandbox(tmp_path_factory.mktemp("system"), overrides={"finetune": {"methods": ["mobiletl"]}}) as system:
         yield system
 
 
