@@ -35,6 +35,7 @@ def test_memory_baseline_quick_writes_json_and_markdown(tmp_path):
     assert (tmp_path / "memory_baseline.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow   # a benchmark script end to end, tens of seconds
 def test_bittrain_quick_writes_table1_and_training_rows(tmp_path):
     result = run_bench("bittrain", tmp_path, "--quick", "--models", "vgg16_nobn")
     assert "--quick" in result["command"] and result["copy_bandwidth"]
@@ -63,6 +64,7 @@ def test_bittrain_quick_writes_table1_and_training_rows(tmp_path):
     assert (tmp_path / "bittrain.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow   # a benchmark script end to end, tens of seconds
 def test_neuroflux_quick_compares_three_methods_at_equal_budgets(tmp_path):
     result = run_bench("neuroflux", tmp_path, "--quick", timeout=900)
     rows = result["rows"]
@@ -147,6 +149,7 @@ def test_batch_throughput_quick_gives_backprop_a_ceiling(tmp_path):
     assert (tmp_path / "batch_throughput.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow   # a benchmark script end to end, tens of seconds
 def test_mobiletl_quick_measures_blocks_transfer_and_budget(tmp_path):
     result = run_bench("mobiletl", tmp_path, "--quick", "--threads", "1")
     assert "--quick" in result["command"]
@@ -183,6 +186,7 @@ def test_mobiletl_quick_measures_blocks_transfer_and_budget(tmp_path):
     assert (tmp_path / "mobiletl.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow   # a benchmark script end to end, tens of seconds
 def test_elastic_quick_compares_elastic_with_the_baselines(tmp_path):
     result = run_bench("elastic", tmp_path, "--quick", "--threads", "1")
     assert "--quick" in result["command"]
@@ -204,6 +208,7 @@ def test_elastic_quick_compares_elastic_with_the_baselines(tmp_path):
     assert "| resnet18-w0.25 | elastic | 0.5 |" in (tmp_path / "elastic.md").read_text()
 
 
+@pytest.mark.slow   # a benchmark script end to end, tens of seconds
 def test_meanet_quick_trains_the_edge_and_routes_through_the_real_cloud(tmp_path):
     result = run_bench("meanet", tmp_path, "--quick", "--threads", "1")
     [row] = result["rows"]
@@ -284,6 +289,7 @@ def run_gpu(tmp_path: Path, *flags: str) -> dict:
     return {p["part"]: p["status"] for p in json.loads((tmp_path / "out" / "gpu_cpu.json").read_text())["rows"]}
 
 
+@pytest.mark.slow   # a benchmark script end to end, tens of seconds
 def test_gpu_script_runs_every_part_on_the_cpu_and_resumes(tmp_path):
     out = tmp_path / "out"
     status = run_gpu(tmp_path, "--seeds", "2")

@@ -18,9 +18,11 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
-    # One fine-tuning method: the flows' tests need a fine-tuning stage, not every method (each method's run is
-    # test_pipeline's). The killed-worker test gives train_blocks the epochs it needs to be interrupted itself.
-    with sandbox(tmp_path_factory.mktemp("system"), overrides={"finetune": {"methods": ["mobiletl"]}}) as system:
+    # One fine-tuning method and fewer instances routed through the cloud: the flows' tests need those stages
+    # run, not every method or instance (test_pipeline checks those). The killed-worker test gives
+    # train_blocks the epochs it needs to be interrupted itself.
+    overrides = {"finetune": {"methods": ["mobiletl"]}, "meanet": {"max_test_samples": 50}}
+    with sandbox(tmp_path_factory.mktemp("system"), overrides=overrides) as system:
         yield system
 
 

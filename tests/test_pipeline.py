@@ -33,7 +33,7 @@ def sh(cmd, cwd, check=True):
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory):
+def project_dir(tmp_path_factory):
     """A fresh git + DVC repository holding this project's pipeline, with CI-sized params."""
     root = tmp_path_factory.mktemp("project")
     for item in ("edgeflux", "stages", "pipeline", "dvc.yaml"):
@@ -47,8 +47,21 @@ def project(tmp_path_factory):
     return root
 
 
-def test_repro_then_noop_then_exp_run(project):
-    first = sh("dvc repro", project)
+@pytest.fixture(scope="module")
+def first_repro(project_dir):
+    """The pipeline's one `dvc repro` from nothing, which every test of the module builds on: each stage runs
+    once here, and a test that reruns some of them does so on these outputs."""
+    return sh("dvc repro", project_dir)
+
+
+@pytest.fixture(scope="module")
+def project(project_dir, first_repro):
+    """The repository with every stage's outputs."""
+    return project_dir
+
+
+def test_repro_then_noop_then_exp_run(project, first_repro):
+    first = first_repro
     for stage in ("prepare", "pretrain", "train_bp", *NEUROFLUX, *FINETUNE, *MEANET, "report"):
         assert f"Running stage '{stage}'" in first.stdout
     metrics = json.loads((project / "details/train_bp.json").read_text())
