@@ -1,7 +1,7 @@
 # Entry points for a new user on a fresh Debian/Ubuntu machine:
 #   make run    set up (venv, install, dataset) and run the default pipeline (dvc repro)
 #   make test   set up and run the test suite
-#   make test-fast   the suite without the slow end-to-end tests (dvc repro, servers, benchmark scripts)
+#   make test-fast   the suite without the slow end-to-end tests (pytest -m slow: dvc repro, servers, ...)
 # All are idempotent: set-up steps are skipped once done.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
