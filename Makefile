@@ -1,7 +1,8 @@
-# Two entry points for a new user on a fresh Debian/Ubuntu machine:
+# Entry points for a new user on a fresh Debian/Ubuntu machine:
 #   make run    set up (venv, install, dataset) and run the default pipeline (dvc repro)
 #   make test   set up and run the test suite
-# Both are idempotent: set-up steps are skipped once done.
+#   make test-fast   the suite without the slow end-to-end tests (pytest -m slow: dvc repro, servers, ...)
+# All are idempotent: set-up steps are skipped once done.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -12,7 +13,7 @@ export PATH := $(BIN):$(PATH)
 export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := true
 
-.PHONY: run test setup compiler bench clean-venv
+.PHONY: run test test-fast setup compiler bench clean-venv
 
 run: setup
 	dvc repro
@@ -20,6 +21,10 @@ run: setup
 
 test: setup
 	python -m pytest -q
+
+# cuda: deselected too, so a GPU machine's run stays as quick (bench/gpu.py runs those tests there)
+test-fast: setup
+	python -m pytest -q -m "not slow and not cuda"
 
 setup: $(VENV)/.installed $(DATASET) compiler
 

@@ -19,11 +19,12 @@ stage, a worker's pick-up latency and the cloud -> device round trip through rea
    median over the runs of 5 and --pickup-runs more (no-op runs: everything cached).
 5. roundtrip_s: CI-sized params (pipeline.sandbox.QUICK), an origin, a cloud and a pi clone, a local DVC
    remote, Prefect and MLflow servers and one worker per clone (pipeline.sandbox, as tests/test_orchestration.py
-   runs them): from triggering cloud_flow/cloud until device_flow/pi (the device stages) is Completed.
+   runs them): from triggering cloud_flow/cloud until device_flow/pi (the device stages) is Completed. With
+   --target, the cloud's and the device's stages among those the target needs only.
 
     python -m bench.pipeline                          # full run (default params), results in bench/results/
     python -m bench.pipeline --quick --out /tmp/bench # CI-sized params everywhere, workers polling every 2 s
-    python -m bench.pipeline --quick --target train_bp --out /tmp/bench   # items 1-3 on two stages (the test's)
+    python -m bench.pipeline --quick --target train_bp --out /tmp/bench   # every item on two stages (the test's)
 
 Servers, workers and the timed commands are always stopped, on an error or Ctrl-C too.
 """
@@ -78,8 +79,9 @@ def parse_args(argv=None):
                         help="how often each worker polls for runs (PrefectWorker poll_s; 10 is Prefect's default)")
     stages = list(yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"])
     parser.add_argument("--target", default=None, choices=stages, metavar="STAGE",
-                        help="items 1-3 on this stage and what it needs only (dvc repro --force STAGE, "
-                             f"python -m pipeline.flows --target STAGE): a shorter check; one of {', '.join(stages)}")
+                        help="every item on this stage and what it needs only (dvc repro --force STAGE, "
+                             "python -m pipeline.flows --target STAGE, the round trip's flows on those stages): "
+                             f"a shorter check; one of {', '.join(stages)}")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="keep the fresh clone, the sandbox and their logs here (default: a temp dir, removed)")
     args = parser.parse_args(argv)
@@ -241,25 +243,34 @@ def flow_run_times(run_ids: dict[str, tuple[str, dict]]) -> list[dict]:
     return rows
 
 
-def roundtrip_figures(root: Path, poll_s: float, pickup_runs: int) -> dict:
-    """Items 4-5: the cloud -> device round trip in a sandbox, then no-op runs for more pick-up samples."""
+def roundtrip_figures(root: Path, poll_s: float, pickup_runs: int, target: str | None = None) -> dict:
+    """Items 4-5: the cloud -> device round trip in a sandbox, then no-op runs for more pick-up samples.
+    ``target``: each flow runs its share of the stages the target needs (default: the cloud's and the device's
+    whole parts)."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from pipeline.flows import CLOUD_STAGES, stage_graph, stages_for
+
+    cloud, device = {}, {"stages": DEVICE_STAGES}
+    if target:
+        needed = stages_for(target, stage_graph(REPO / "dvc.yaml"))
+        cloud = {"stages": [s for s in needed if s in CLOUD_STAGES]}
+        device = {"stages": [s for s in needed if s not in CLOUD_STAGES]}
 
     with ExitStack() as stack:   # the sandbox stops its workers, then its servers, whatever happens here
         system = stack.enter_context(sandbox(root, poll_s=poll_s))
         stack.enter_context(temporary_settings(updates={PREFECT_API_URL: system["prefect"].api_url}))
         remote, runs = root / "remote", {}
         start = time.perf_counter()
-        runs["cloud_flow/cloud"] = (deployment_run("cloud_flow/cloud", {}), {})
+        runs["cloud_flow/cloud"] = (deployment_run("cloud_flow/cloud", cloud), cloud)
         after_cloud = dir_bytes(remote)
-        device = {"stages": DEVICE_STAGES}
         runs["device_flow/pi"] = (deployment_run("device_flow/pi", device), device)
         roundtrip = time.perf_counter() - start
         after_device = dir_bytes(remote)
         log.info("round trip: %.1fs; DVC remote %.1f MB after the cloud, %.1f MB after the device", roundtrip,
                  after_cloud / 1e6, after_device / 1e6)
-        noop = {"cloud_flow/cloud": {"push": False},   # every stage cached: only the pick-up and the flow's start
-                "device_flow/pi": {"stages": ["train_bp"], "pull": False, "push": False}}
+        noop = {"cloud_flow/cloud": {**cloud, "push": False},   # every stage cached: only the pick-up and the flow's start
+                "device_flow/pi": {"stages": device["stages"][:1], "pull": False, "push": False}}
         for i in range(pickup_runs):
             name = list(noop)[i % 2]   # both workers, alternately
             runs[f"{name} no-op {i + 1}"] = (deployment_run(name, noop[name]), noop[name])
@@ -363,7 +374,7 @@ def main(argv=None) -> None:
             os.environ["OMP_NUM_THREADS"] = str(args.threads)
         figures = fresh_clone_figures(work, args, child_env())
         (work / "sandbox").mkdir()
-        figures |= roundtrip_figures(work / "sandbox", args.poll_s, args.pickup_runs)
+        figures |= roundtrip_figures(work / "sandbox", args.poll_s, args.pickup_runs, args.target)
     write(figures, args, started)
 
 

@@ -6,6 +6,11 @@ import pytest
 os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
 os.environ["DO_NOT_TRACK"] = "true"
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+# The MLflow servers tests start (directly, in the sandbox, in benchmark scripts; subprocesses inherit this)
+# run without MLflow's job runner: edgeflux submits no jobs, and the runner's consumer processes, several
+# per server and each importing mlflow, take CPU from the stages under test. tests/test_servers_cli.py
+# starts the cloud's servers as shipped, runner included.
+os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
 
 
 @pytest.fixture(autouse=True)

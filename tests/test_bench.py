@@ -53,6 +53,7 @@ def test_memory_baseline_quick_writes_json_and_markdown(tmp_path):
     assert (tmp_path / "memory_baseline.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow   # a benchmark script end to end, tens of seconds
 def test_bittrain_quick_writes_table1_and_training_rows(tmp_path):
     result = run_bench("bittrain", tmp_path, "--quick", "--models", "vgg16_nobn")
     assert "--quick" in result["command"] and result["copy_bandwidth"]
@@ -81,6 +82,7 @@ def test_bittrain_quick_writes_table1_and_training_rows(tmp_path):
     assert (tmp_path / "bittrain.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow   # a benchmark script end to end, tens of seconds
 def test_neuroflux_quick_compares_three_methods_at_equal_budgets(tmp_path):
     result = run_bench("neuroflux", tmp_path, "--quick", timeout=900)
     rows = result["rows"]
@@ -165,6 +167,7 @@ def test_batch_throughput_quick_gives_backprop_a_ceiling(tmp_path):
     assert (tmp_path / "batch_throughput.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow   # a benchmark script end to end, tens of seconds
 def test_mobiletl_quick_measures_blocks_transfer_and_budget(tmp_path):
     result = run_bench("mobiletl", tmp_path, "--quick", "--threads", "1")
     assert "--quick" in result["command"]
@@ -201,6 +204,7 @@ def test_mobiletl_quick_measures_blocks_transfer_and_budget(tmp_path):
     assert (tmp_path / "mobiletl.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow   # a benchmark script end to end, tens of seconds
 def test_elastic_quick_compares_elastic_with_the_baselines(tmp_path):
     result = run_bench("elastic", tmp_path, "--quick", "--threads", "1")
     assert "--quick" in result["command"]
@@ -222,6 +226,7 @@ def test_elastic_quick_compares_elastic_with_the_baselines(tmp_path):
     assert "| resnet18-w0.25 | elastic | 0.5 |" in (tmp_path / "elastic.md").read_text()
 
 
+@pytest.mark.slow   # a benchmark script end to end, tens of seconds
 def test_meanet_quick_trains_the_edge_and_routes_through_the_real_cloud(tmp_path):
     result = run_bench("meanet", tmp_path, "--quick", "--threads", "1")
     [row] = result["rows"]
@@ -241,8 +246,9 @@ def test_meanet_quick_trains_the_edge_and_routes_through_the_real_cloud(tmp_path
 
 @pytest.mark.slow   # starts Prefect and MLflow servers and workers, as tests/test_orchestration.py does
 def test_pipeline_quick_times_dvc_prefect_workers_and_the_round_trip(tmp_path):
-    # --target train_bp: the fresh clone reproduces prepare and train_bp only (every stage's repro is
-    # test_pipeline's); the round trip is the whole cloud -> device path through real servers and workers
+    # --target train_bp: the fresh clone reproduces prepare and train_bp only, and the round trip runs them
+    # through real servers and workers (cloud_flow prepare, device_flow train_bp); every stage's repro is
+    # test_pipeline's, the whole cloud -> device path test_orchestration's
     work = tmp_path / "work"
     result = run_bench("pipeline", tmp_path, "--quick", "--target", "train_bp", "--workdir", str(work), timeout=1200)
     figures = ("repro_s", "noop_s", "prefect_overhead_s", "pickup_s", "roundtrip_s")
@@ -301,6 +307,7 @@ def run_gpu(tmp_path: Path, *flags: str) -> dict:
     return {p["part"]: p["status"] for p in json.loads((tmp_path / "out" / "gpu_cpu.json").read_text())["rows"]}
 
 
+@pytest.mark.slow   # a benchmark script end to end, tens of seconds
 def test_gpu_script_runs_every_part_on_the_cpu_and_resumes(tmp_path):
     out = tmp_path / "out"
     status = run_gpu(tmp_path, "--seeds", "2")

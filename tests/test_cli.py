@@ -252,6 +252,7 @@ RUNS = {   # pipeline id: (preset, DVC experiment, {stage: headline})
 }
 
 
+@pytest.mark.slow   # an MLflow server
 def test_compare_reads_pipeline_runs_from_an_mlflow_server(tmp_path, monkeypatch, capsys):
     from edgeflux.tracking import stage_run
     from pipeline.servers import MLflowServer

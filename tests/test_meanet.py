@@ -268,6 +268,7 @@ def test_features_mode_sends_f_and_the_cloud_continues_the_cnn(routed_setup, mni
     assert torch.equal(routed.pred[sent], expected[sent])
 
 
+@pytest.mark.slow   # MLflow's model server
 def test_the_real_cloud_server_stopped_mid_batch_leaves_every_instance_answered(routed_setup, mnist_subset, tmp_path):
     """MLflow's model server on loopback as the cloud; it is stopped after the first request: the rest of the
     instances sent are answered on the edge (fallback), none is dropped, and the cloud's answers are its model's."""

@@ -237,6 +237,7 @@ def assert_same_learners(a: dict, b: dict) -> None:
     assert a["val"] == b["val"]
 
 
+@pytest.mark.slow   # a training process killed, then resumed
 def test_sigkill_mid_block_then_resume_equals_uninterrupted(uninterrupted, tmp_path):
     _, reference = uninterrupted
     killed = run_driver(tmp_path, kill_at="1:0")          # after block 1's first epoch checkpoint

@@ -18,8 +18,11 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
-    # several epochs per block: an interrupted block has a checkpoint to resume from
-    with sandbox(tmp_path_factory.mktemp("system"), overrides={"neuroflux": {"epochs": 3}}) as system:
+    # One fine-tuning method and fewer instances routed through the cloud: the flows' tests need those stages
+    # run, not every method or instance (test_pipeline checks those). The killed-worker test gives
+    # train_blocks the epochs it needs to be interrupted itself.
+    overrides = {"finetune": {"methods": ["mobiletl"]}, "meanet": {"max_test_samples": 50}}
+    with sandbox(tmp_path_factory.mktemp("system"), overrides=overrides) as system:
         yield system
 
 

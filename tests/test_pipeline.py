@@ -33,7 +33,7 @@ def sh(cmd, cwd, check=True):
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory):
+def project_dir(tmp_path_factory):
     """A fresh git + DVC repository holding this project's pipeline, with CI-sized params."""
     root = tmp_path_factory.mktemp("project")
     for item in ("edgeflux", "stages", "pipeline", "dvc.yaml"):
@@ -47,8 +47,21 @@ def project(tmp_path_factory):
     return root
 
 
-def test_repro_then_noop_then_exp_run(project):
-    first = sh("dvc repro", project)
+@pytest.fixture(scope="module")
+def first_repro(project_dir):
+    """The pipeline's one `dvc repro` from nothing, which every test of the module builds on: each stage runs
+    once here, and a test that reruns some of them does so on these outputs."""
+    return sh("dvc repro", project_dir)
+
+
+@pytest.fixture(scope="module")
+def project(project_dir, first_repro):
+    """The repository with every stage's outputs."""
+    return project_dir
+
+
+def test_repro_then_noop_then_exp_run(project, first_repro):
+    first = first_repro
     for stage in ("prepare", "pretrain", "train_bp", *NEUROFLUX, *FINETUNE, *MEANET, "report"):
         assert f"Running stage '{stage}'" in first.stdout
     metrics = json.loads((project / "details/train_bp.json").read_text())
@@ -278,100 +291,6 @@ def test_missing_dataset_gives_install_command(project, tmp_path):
     assert "apt-get install -y dataset-fashion-mnist" in out.stderr and "download" in out.stderr
 
 
-def test_stage_graph_is_read_from_dvc_yaml():
-    from pipeline.flows import stage_graph, stages_for
-
-    graph = stage_graph(REPO / "dvc.yaml")
-    assert graph == {"prepare": set(), "pretrain": {"prepare"}, "train_bp": {"prepare"},
-                     "profile": {"prepare"}, "partition": {"profile"},
-                     "train_blocks": {"prepare", "profile", "partition"}, "select_exit": {"prepare", "train_blocks"},
-                     "finetune": {"prepare", "pretrain"}, "meanet_cloud": {"prepare", "pretrain"},
-                     "meanet_edge": {"prepare", "meanet_cloud"},
-                     "evaluate_edge_cloud": {"prepare", "meanet_cloud", "meanet_edge"},
-                     "report": {"pretrain", "train_bp", "profile", "partition", "train_blocks", "select_exit",
-                                "finetune", "meanet_cloud", "meanet_edge", "evaluate_edge_cloud"}}
-    assert stages_for("select_exit", graph) == ["prepare", "profile", "partition", "train_blocks", "select_exit"]
-    assert stages_for("train_bp", graph) == ["prepare", "train_bp"]
-    assert stages_for(None, graph)[-1] == "report"
-    with pytest.raises(ValueError, match="unknown stage 'trian_bp'"):
-        stages_for("trian_bp", graph)
-
-
-# Code that never changes what a stage writes: atomic file writes, MLflow logging, the stage runner, the
-# errors it reports, the processes and servers it starts, the registry's declarations.
-PLUMBING = {"edgeflux/artifacts.py", "edgeflux/tracking", "stages/common.py", "edgeflux/errors.py",
-            "edgeflux/process.py", "edgeflux/service.py", "edgeflux/environ.py", "stages/registry.py"}
-
-
-def _plumbing(path: str) -> bool:
-    return any(path == p or path.startswith(p + "/") for p in PLUMBING)
-
-
-def _imported_files(script: Path) -> set[str]:
-    """The repository files (edgeflux/*, stages/*) a stage script imports directly."""
-    import ast
-
-    names = set()
-    for node in ast.walk(ast.parse(script.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-        elif isinstance(node, ast.Import):
-            names |= {a.name for a in node.names}
-    files = set()
-    for name in names:
-        path = name.replace(".", "/")
-        for candidate in (f"{path}.py", f"{path}/__init__.py"):
-            if name.split(".")[0] in ("edgeflux", "stages") and (REPO / candidate).is_file():
-                files.add(candidate)
-    return files
-
-
-def _library_closure(files: set[str]) -> set[str]:
-    """`files` and every library file they run, transitively (tests/test_imports.py's import graph). Not
-    followed: the plumbing's imports (it writes and logs what the stage computed) and config.py's (the
-    registries it takes allowed values from; a stage's results follow the params values, which DVC tracks)."""
-    from tests.test_imports import import_graph, module_names
-
-    paths = {name: str(path.relative_to(REPO)) for name, path in module_names(REPO / "edgeflux").items()}
-    modules = {p: n for n, p in paths.items()}
-    edges = import_graph().edges
-    todo = [modules[f] for f in files if f in modules]
-    seen: set[str] = set()
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        if not _plumbing(paths[name]) and paths[name] != "edgeflux/config.py":
-            todo += edges.get(name, ())
-    return files | {paths[n] for n in seen}
-
-
-def test_a_finetune_stage_depends_on_every_finetune_param_but_the_method_list():
-    """Each finetune@<method> stage tracks the finetune section key by key, all but `methods`: adding a method
-    to the list must not retrain the others, and an option left out would not retrain them when it changes."""
-    stage = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]["finetune"]
-    section = yaml.safe_load((REPO / "params.yaml").read_text())["finetune"]
-    assert stage["params"] == [f"finetune.{key}" for key in section if key != "methods"]
-
-
-def test_every_stage_depends_on_the_code_it_runs():
-    """dvc repro reruns a stage only when a dep changed: code a stage runs, directly or through the library
-    modules it imports, but does not list would leave its outputs stale after a change (as edgeflux/data.py's
-    tensors() once was)."""
-    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
-    for name, stage in stages.items():
-        deps = [d if isinstance(d, str) else next(iter(d)) for d in stage.get("deps", [])]
-        cmd = stage["cmd"].split()
-        module = cmd[cmd.index("-m") + 1]
-        needed = {f for f in _library_closure(_imported_files(REPO / (module.replace(".", "/") + ".py")))
-                  if not _plumbing(f)}
-        if stage.get("params"):   # params are read, checked and defaulted by edgeflux/config.py
-            needed.add("edgeflux/config.py")
-        missing = {f for f in needed if not any(f == d or f.startswith(d.rstrip("/") + "/") for d in deps)}
-        assert not missing, f"stage {name}: dvc.yaml deps lack {sorted(missing)}"
-
-
 @pytest.fixture
 def prefect_server():
     """A temporary Prefect server for the test, stopped before pytest closes its output."""
@@ -414,7 +333,9 @@ def test_an_interrupted_stage_stops_cleanly_and_the_rerun_resumes(project, signu
 
     sh("dvc repro prepare", project)
     params = yaml.safe_load((project / "params.yaml").read_text())
-    params["train_bp"]["epochs"] = 10        # long enough to be interrupted after its first checkpoint
+    # a checkpoint after each epoch: when the first appears, two epochs are left (time to interrupt the stage),
+    # and the resumed run trains those two only
+    params["train_bp"]["epochs"] = 3
     params["train_bp"]["seed"] = int(signum)   # a run of its own (another checkpoint signature)
     (project / "long.yaml").write_text(yaml.safe_dump(params))
     checkpoint = project / ".edgeflux/checkpoints/train_bp.pt"

@@ -45,7 +45,8 @@ def interrupt(proc: subprocess.Popen, signum: int = signal.SIGINT) -> int:
 
 def test_cloud_servers_and_a_device_worker_start_serve_and_stop_on_ctrl_c(tmp_path):
     ports = {"prefect": free_port(), "mlflow": free_port()}
-    env = venv_env({"PREFECT_HOME": str(tmp_path / "client")})
+    # MLflow's job runner as shipped (tests/conftest.py turns it off elsewhere): its processes must stop too
+    env = venv_env({"PREFECT_HOME": str(tmp_path / "client"), "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "true"})
     cloud = start(["cloud", "--dir", str(tmp_path / "servers"), "--prefect-port", str(ports["prefect"]),
                    "--mlflow-port", str(ports["mlflow"]), "--deploy"], REPO, env)
     worker = None

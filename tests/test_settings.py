@@ -6,6 +6,8 @@ import sys
 import textwrap
 from contextlib import closing
 
+import pytest
+
 from edgeflux.environ import offline_env
 
 FLOW = textwrap.dedent("""
@@ -35,6 +37,7 @@ def test_offline_env_adds_the_switches_to_a_base_environment():
     assert "PATH" not in offline_env()
 
 
+@pytest.mark.slow   # a flow run with Prefect's ephemeral server
 def test_a_flow_run_shows_its_task_and_no_traceback(tmp_path):
     """Unless disabled, the ephemeral server's telemetry heartbeat runs at startup: its first write (its
     session row) either races the client's first writes ("database is locked", a ~100-line traceback,

@@ -156,6 +156,7 @@ def test_a_stage_dies_with_the_process_that_started_it(tmp_path, watch):
         log.close()
 
 
+@pytest.mark.slow   # three stage processes, one killed
 def test_a_stage_refuses_to_run_while_another_process_runs_it(tmp_path):
     """A second instance exits 2 with one line naming the running one; once that is killed (SIGKILL: it
     cannot clean up), the stage runs again: the lock dies with its process."""

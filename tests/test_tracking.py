@@ -401,6 +401,7 @@ def _get(url: str) -> bytes:
         return response.read()
 
 
+@pytest.mark.slow   # the MLflow UI server
 def test_a_moved_store_keeps_its_artifacts_and_its_experiment(tmp_path, monkeypatch):
     """Artifacts are located relative to the store: after the clone is moved, the old runs' artifacts and
     registered model are listed and downloadable, in this process and from the UI that ui_command() starts,
