@@ -19,15 +19,15 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
-from edgeflux.bittrain import BitTrainOptions as BitTrainParams
+from edgeflux.bittrain.options import BitTrainOptions as BitTrainParams
 from edgeflux.data.options import DataParams
 from edgeflux.errors import UserError
 from edgeflux.finetune import FinetuneOptions, parse_method
-from edgeflux.models import ModelSpec
+from edgeflux.memory.options import MemoryOptions
+from edgeflux.models.spec import ModelSpec
 from edgeflux.neuroflux.aux import AUX_MODES
 from edgeflux.neuroflux.cache import CacheOptions as CacheParams
-from edgeflux.options import Bytes, Options as _Section, parse_bytes
-from edgeflux.train import MemoryOptions, TrainOptions
+from edgeflux.options import Bytes, Options as _Section, TrainOptions, parse_bytes
 
 __all__ = ["BitTrainParams", "Bytes", "CacheParams", "DataParams", "DeviceParams", "FinetuneParams", "MEANetParams", "MemoryOptions", "ModelSpec", "NeuroFluxParams",
            "Params", "ParamsError", "PretrainParams", "ReportParams", "TrainBPParams", "TrainOptions", "load_params",

@@ -1,5 +1,5 @@
-"""The base of every options class (params.yaml sections and the library's own option sets), and
-memory sizes with units.
+"""The base of every options class (params.yaml sections and the library's own option sets), memory
+sizes with units, and the options every trainer shares. Torch-free: params.yaml is checked without torch.
 
 Validation is pydantic's: strict types, unknown keys rejected, frozen. Memory sizes take units:
 ``300MB`` (decimal, 10^6), ``1.5GiB`` (binary, 2^30), ``4096B``. A bare number is refused,
@@ -8,9 +8,9 @@ because ``300`` could mean bytes or megabytes, and so is a lowercase ``b`` (``24
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 _UNITS = {
     "B": 1,
@@ -56,3 +56,30 @@ class Options(BaseModel):
     """Strict, closed and frozen: an unknown key or a value of the wrong type is an error."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+OPTIMIZER_NAMES = ("sgd", "adam")   # edgeflux.train.OPTIMIZERS builds them
+LR_SCALINGS = {"constant": lambda ratio: 1.0, "linear": lambda ratio: ratio, "sqrt": lambda ratio: ratio ** 0.5}
+
+
+class TrainOptions(Options):
+    """Options every trainer shares, so that stages read the same names."""
+
+    epochs: int = Field(1, ge=1)
+    batch_size: int = Field(128, ge=1)
+    lr: float = Field(0.05, gt=0)
+    # lr is for a batch of lr_reference_batch; a trainer at another batch (NeuroFlux's blocks each have their
+    # own) scales it (linear: Goyal et al.'s rule; sqrt: milder; constant: as is)
+    lr_scaling: Literal[tuple(LR_SCALINGS)] = "constant"
+    lr_reference_batch: int = Field(32, ge=1)
+    optimizer: Literal[OPTIMIZER_NAMES] = "sgd"
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(5e-4, ge=0)
+    max_train_samples: int | None = Field(None, ge=1)
+    evals_per_epoch: int = Field(2, ge=1)
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    def lr_for(self, batch: int) -> float:
+        """The learning rate of a run at `batch` (lr_scaling from lr_reference_batch)."""
+        return self.lr * LR_SCALINGS[self.lr_scaling](batch / self.lr_reference_batch)

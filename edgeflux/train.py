@@ -35,21 +35,20 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from torch import Tensor, nn
 
-from edgeflux.bittrain import BitTrainOptions
 from edgeflux.checkpoint import (load_checkpoint, rng_state, run_signature, save_checkpoint, set_rng_state,
                                  tensor_digest)
 from edgeflux.data import Images, batches
 from edgeflux.errors import UserError
 from edgeflux.models.units import eval_mode, train_mode
-from edgeflux.options import Bytes, Options
+from edgeflux.memory.options import MemoryOptions
+from edgeflux.options import LR_SCALINGS, OPTIMIZER_NAMES, TrainOptions
 from edgeflux.step import Step, StepContext, TrainStep, no_context
 
 log = logging.getLogger(__name__)
@@ -62,39 +61,7 @@ CHECKPOINT_FORMAT = 2   # in every checkpoint's signature: a file of another lay
 
 OPTIMIZERS = {"sgd": lambda params, o: torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay),
               "adam": lambda params, o: torch.optim.Adam(params, lr=o.lr, weight_decay=o.weight_decay)}
-LR_SCALINGS = {"constant": lambda ratio: 1.0, "linear": lambda ratio: ratio, "sqrt": lambda ratio: ratio ** 0.5}
-
-
-class TrainOptions(Options):
-    """Options every trainer shares, so that stages read the same names."""
-
-    epochs: int = Field(1, ge=1)
-    batch_size: int = Field(128, ge=1)
-    lr: float = Field(0.05, gt=0)
-    # lr is for a batch of lr_reference_batch; a trainer at another batch (NeuroFlux's blocks each have their
-    # own) scales it (linear: Goyal et al.'s rule; sqrt: milder; constant: as is)
-    lr_scaling: Literal[tuple(LR_SCALINGS)] = "constant"
-    lr_reference_batch: int = Field(32, ge=1)
-    optimizer: Literal[tuple(OPTIMIZERS)] = "sgd"
-    momentum: float = Field(0.9, ge=0, lt=1)
-    weight_decay: float = Field(5e-4, ge=0)
-    max_train_samples: int | None = Field(None, ge=1)
-    evals_per_epoch: int = Field(2, ge=1)
-    seed: int = 0
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-
-    def lr_for(self, batch: int) -> float:
-        """The learning rate of a run at `batch` (lr_scaling from lr_reference_batch)."""
-        return self.lr * LR_SCALINGS[self.lr_scaling](batch / self.lr_reference_batch)
-
-
-class MemoryOptions(Options):
-    """The memory options every budgeted trainer takes (composable across techniques)."""
-
-    budget: Bytes | None = None
-    max_batch: int = Field(256, ge=1)
-    bittrain: BitTrainOptions = BitTrainOptions()
-
+assert tuple(OPTIMIZERS) == OPTIMIZER_NAMES, "edgeflux/options.py names the optimizers params.yaml takes"
 
 
 class DeviceUnavailableError(RuntimeError, UserError):

@@ -15,7 +15,8 @@ from edgeflux.meanet.model import (MEANetConfigError, MEANetSpec, TwoExits, buil
 from edgeflux.meanet.router import EXITS, Router, confidence
 from edgeflux.meanet.train import edge_step_memory, joint_step_memory, train_edge
 from edgeflux.models import build_model
-from edgeflux.train import MemoryOptions, TrainOptions
+from edgeflux.memory.options import MemoryOptions
+from edgeflux.options import TrainOptions
 
 WIDTH = {"resnet18": 0.25, "mobilenet_v2": 0.25}
 

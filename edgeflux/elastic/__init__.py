@@ -15,5 +15,6 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "profile": ["TensorTiming", "execution_order", "measure_backward", "predict_backward", "predict_step",
                 "profile_tensors", "random_selections", "validate_time_model"],
     "select": ["rounded_costs", "select_tensors", "selection_cost"],
-    "trainer": ["ElasticBudgetError", "ElasticController", "ElasticOptions", "classifier_names", "elastic_metrics"],
+    "options": ["ElasticOptions"],
+    "trainer": ["ElasticBudgetError", "ElasticController", "classifier_names", "elastic_metrics"],
 })

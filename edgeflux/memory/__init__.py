@@ -29,6 +29,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "edgeflux.step": ["StepContext", "TrainStep", "no_context", "training_step_fn"],
     "budget": ["CONTENT_SAMPLES", "BatchChoice", "BatchFit", "BudgetTooSmallError", "choose_batch", "fit_linear",
                "largest_over_batches", "max_batch_under_budget"],
+    "options": ["MemoryOptions"],
     "process": ["retain_freed_heap"],
     "saved": ["OUTSIDE_UNITS", "SavedTensorCounter", "SavedTensorModifiedError", "UnitsArg", "UnitTracker",
               "check_saved_version", "count_saved_tensors", "resolve_units", "saved_bytes_by_node"],

@@ -1,0 +1,21 @@
+"""ElasticTrainer's options (params.yaml: finetune.elastic). Torch-free: params are checked without torch."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from edgeflux.options import Options
+
+
+class ElasticOptions(Options):
+    """ElasticTrainer's options (params.yaml: finetune.elastic)."""
+
+    rho: float = Field(0.5, gt=0, le=1)          # a step should take rho x the full step's time
+    interval: int = Field(1, ge=1)               # re-evaluate importance and re-select every `interval` epochs
+    profile_interval: int = Field(0, ge=0)       # re-profile every this many epochs (0: once, at the start)
+    probe_samples: int = Field(32, ge=1)         # the probe batch of the importance evaluation
+    resolution: int = Field(1000, ge=10)         # the selector's time steps over the budget
+    repeats: int = Field(3, ge=1)                # profiling: timed runs per configuration (after one warm-up)
+    # the fine-tuning method whose trainable tensors elastic selects among (edgeflux.finetune)
+    base: Literal["ft_all", "ft_blocks", "ft_bn", "ft_bn_bias", "ft_bias", "mobiletl"] = "ft_all"
