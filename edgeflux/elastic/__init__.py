@@ -6,15 +6,16 @@
     mask = select_tensors(timing.update_cost(), timing.t_dy, importance, budget)   # exact DP
 
 The method ``elastic`` of edgeflux.finetune runs them in the training loop (``ElasticController``).
-Modules: profile (the tensor timing profiler and its validation), importance, select (the DP), trainer.
+Modules: profile (the tensor timing profiler and the time model), validate (the time model against measured
+backward times), importance, select (the DP), trainer.
 """
 from __future__ import annotations
 
 from .importance import tensor_importance
-from .profile import (TensorTiming, execution_order, measure_backward, predict_backward, predict_step,
-                      profile_tensors, random_selections, validate_time_model)
+from .profile import TensorTiming, execution_order, measure_backward, predict_backward, predict_step, profile_tensors
 from .select import rounded_costs, select_tensors, selection_cost
 from .trainer import ElasticBudgetError, ElasticController, ElasticOptions, classifier_names, elastic_metrics
+from .validate import random_selections, validate_time_model
 
 __all__ = ["ElasticBudgetError", "ElasticController", "ElasticOptions", "TensorTiming", "classifier_names",
            "elastic_metrics",
