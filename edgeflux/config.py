@@ -25,8 +25,7 @@ from edgeflux.errors import UserError
 from edgeflux.finetune import FinetuneOptions, parse_method
 from edgeflux.memory.options import MemoryOptions
 from edgeflux.models.spec import ModelSpec
-from edgeflux.neuroflux.aux import AUX_MODES
-from edgeflux.neuroflux.cache import CacheOptions as CacheParams
+from edgeflux.neuroflux.options import AUX_MODES, CacheOptions as CacheParams
 from edgeflux.options import Bytes, Options as _Section, TrainOptions, parse_bytes
 
 __all__ = ["BitTrainParams", "Bytes", "CacheParams", "DataParams", "DeviceParams", "FinetuneParams", "MEANetParams", "MemoryOptions", "ModelSpec", "NeuroFluxParams",

@@ -364,7 +364,7 @@ def test_relu6_input_copy_is_read_from_the_output_when_storage_is_lossless(bitma
     the next conv got; where no operation saves the output (ReLU6 into a mean), and whenever storage
     is lossy (pruning could zero an output inside (0, 6), fp16 round 5.9999 to 6), it is a 1-bit mask.
     Lossless, every gradient is bit-identical to plain training's."""
-    from edgeflux.bittrain.doublemask import _MaskOnly
+    from edgeflux.bittrain.masked import MaskOnly
     torch.manual_seed(0)
     net = _Relu6Net()
     x = torch.randn(4, 3, 12, 12) * 3          # activations on both sides of 0 and 6
@@ -376,7 +376,7 @@ def test_relu6_input_copy_is_read_from_the_output_when_storage_is_lossless(bitma
     ca._pack = lambda t: holders.append(pack(t)) or holders[-1]   # (hooks are installed from the instance)
     with ca:
         m(x).square().sum().backward()
-    first, second = [h for h in holders if isinstance(h, _MaskOnly)]
+    first, second = [h for h in holders if isinstance(h, MaskOnly)]
     lossless = threshold == 0 and store_dtype is None
     assert (first.output is not None) == lossless and (first.bitmap is None) == lossless
     if lossless:
@@ -396,7 +396,7 @@ def test_hardtanh_bounds_not_exact_in_the_dtype_keep_gradients_bit_identical(bit
     """Hardtanh's backward compares the saved value with the Python bound in float; a mask made in
     bfloat16 compares with bfloat16(0.1) > 0.1 instead. Such copies are stored normally (exact); with
     bounds the dtype holds exactly (ReLU6: 0 and 6) they still become masks."""
-    from edgeflux.bittrain.doublemask import _MaskOnly
+    from edgeflux.bittrain.masked import MaskOnly
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Hardtanh(lo, hi, inplace=True), nn.Conv2d(8, 4, 3)).to(dtype)
     x = (torch.rand(4, 3, 10, 10) * 2 - 0.5).to(dtype)    # conv outputs on both sides of the bounds
@@ -411,7 +411,7 @@ def test_hardtanh_bounds_not_exact_in_the_dtype_keep_gradients_bit_identical(bit
     for (name, p), q in zip(plain.named_parameters(), m.parameters()):
         assert torch.equal(p.grad, q.grad), name
     exact = float(torch.tensor(lo, dtype=dtype)) == lo and float(torch.tensor(hi, dtype=dtype)) == hi
-    assert any(isinstance(h, _MaskOnly) for h in holders) == exact
+    assert any(isinstance(h, MaskOnly) for h in holders) == exact
 
 
 @pytest.mark.parametrize("name", ["vgg16", "resnet18"])

@@ -8,7 +8,8 @@
     training_step_fn(model, opt, x, y, context=opts.context)   # as an edgeflux.memory StepContext
 
 Modules: bitmap (the format), hooks (saved-tensor hooks), packed (what the hooks store, accounting),
-doublemask (BatchNorm / activation mask propagation). pack_mask/unpack_mask: 1-bit masks
+doublemask (BatchNorm / activation mask propagation: the rules and the pairing), masked (the holders
+of its rules). pack_mask/unpack_mask: 1-bit masks
 (8 elements per byte), also what MobileTL's sign-backward activations keep. Unit attribution: edgeflux.memory.UnitTracker.
 """
 from edgeflux.lazy import lazy_exports

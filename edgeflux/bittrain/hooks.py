@@ -121,7 +121,7 @@ class CompressedActivations:
         self._tracker: UnitTracker | None = None
         self._hooks: Any = None
         self._dm: Any = None
-        self.awaiting_output: Any = None     # a doublemask._MaskOnly waiting to see the next saved tensor
+        self.awaiting_output: Any = None     # a masked.MaskOnly waiting to see the next saved tensor
         self._to_count: list[tuple[Tensor, UnitStats, int]] = []   # small tensors not counted yet
         self._to_count_bytes = 0
         if self.double_mask and not self._modules:

@@ -6,15 +6,17 @@
     mask = select_tensors(timing.update_cost(), timing.t_dy, importance, budget)   # exact DP
 
 The method ``elastic`` of edgeflux.finetune runs them in the training loop (``ElasticController``).
-Modules: profile (the tensor timing profiler and its validation), importance, select (the DP), trainer.
+Modules: profile (the tensor timing profiler and the time model), validate (the time model against measured
+backward times), importance, select (the DP), trainer.
 """
 from edgeflux.lazy import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "importance": ["tensor_importance"],
-    "profile": ["TensorTiming", "execution_order", "measure_backward", "predict_backward", "predict_step",
-                "profile_tensors", "random_selections", "validate_time_model"],
-    "select": ["rounded_costs", "select_tensors", "selection_cost"],
     "options": ["ElasticOptions"],
+    "profile": ["TensorTiming", "execution_order", "measure_backward", "predict_backward", "predict_step",
+                "profile_tensors"],
+    "select": ["rounded_costs", "select_tensors", "selection_cost"],
     "trainer": ["ElasticBudgetError", "ElasticController", "classifier_names", "elastic_metrics"],
+    "validate": ["random_selections", "validate_time_model"],
 })

@@ -41,7 +41,6 @@ statistics and the optimizer's state as they were.
 from __future__ import annotations
 
 import copy
-import random
 import logging
 import statistics
 import time
@@ -58,8 +57,7 @@ from edgeflux.step import StepContext, no_context
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TensorTiming", "execution_order", "measure_backward", "predict_backward", "predict_step", "profile_tensors",
-           "random_selections", "validate_time_model"]
+__all__ = ["TensorTiming", "execution_order", "measure_backward", "predict_backward", "predict_step", "profile_tensors"]
 
 NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
 
@@ -391,31 +389,3 @@ def measure_backward(model: nn.Module, names: Sequence[str], mask: Sequence[bool
             took.append(time.perf_counter() - start)
             model.zero_grad(set_to_none=True)
     return statistics.median(took[warmup:])
-
-
-def validate_time_model(model: nn.Module, timing: TensorTiming, masks: Sequence[Sequence[bool]], x: Tensor,
-                        y: Tensor, *, context: StepContext = no_context, loss_fn=F.cross_entropy, repeats: int = 5,
-                        warmup: int = 1) -> list[dict]:
-    """Predicted against measured backward time for each selection in ``masks``: rows with ``predicted_s``,
-    ``measured_s`` (median of ``repeats``; the selections are measured in turn, round after round, so that a
-    drift of the machine's speed touches all) and ``error`` ((predicted - measured) / measured)."""
-    runs = [[measure_backward(model, timing.names, mask, x, y, context=context, loss_fn=loss_fn, repeats=1, warmup=0)
-             for mask in masks] for _ in range(warmup + repeats)][warmup:]
-    rows = []
-    for i, mask in enumerate(masks):
-        measured, predicted = statistics.median(r[i] for r in runs), predict_backward(timing, mask)
-        rows.append({"selected": sum(map(bool, mask)), "deepest": list(map(bool, mask)).index(True) if any(mask) else None,
-                     "predicted_s": predicted, "measured_s": measured, "error": (predicted - measured) / measured})
-    return rows
-
-
-def random_selections(n: int, count: int, seed: int = 0, always: Sequence[int] = ()) -> list[list[bool]]:
-    """Selections to validate the time model with: a deepest tensor drawn uniformly, each tensor above it
-    selected with probability 1/2, the ``always`` indices (the classifier) selected."""
-    rng = random.Random(seed)
-    masks = []
-    for _ in range(count):
-        deepest = rng.randrange(n)
-        mask = [k == deepest or (k > deepest and rng.random() < 0.5) or k in always for k in range(n)]
-        masks.append(mask)
-    return masks

@@ -9,7 +9,8 @@
 from edgeflux.lazy import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    "aux": ["AUX_MODES", "AuxNet", "LocalLearner", "aux_filters", "exit_params", "local_learners"],
+    "options": ["AUX_MODES", "STORAGES", "CacheOptions"],
+    "aux": ["AuxNet", "LocalLearner", "aux_filters", "exit_params", "local_learners"],
     "partition": ["UNBOUNDED", "Block", "UnitDoesNotFitError", "group", "load_blocks", "max_batch_for",
                   "min_budget_bytes", "partition", "save_blocks", "unit_batch_sizes"],
     "profile": ["PoorFitError", "UnitProfile", "fit_unit", "load_profile", "profile_units", "profiling_seconds",

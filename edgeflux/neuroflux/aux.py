@@ -23,10 +23,10 @@ import torch
 from torch import Tensor, nn
 
 from edgeflux.models.units import UnitInfo, UnitModel, count_params
+from edgeflux.neuroflux.options import AUX_MODES
 
 log = logging.getLogger(__name__)
 
-AUX_MODES = ("adaptive", "classic")
 
 
 def _is_map(shape: Sequence[int]) -> bool:
