@@ -2,7 +2,7 @@
 
 dvc.yaml runs it once per entry of finetune.methods (stages finetune@mobiletl, finetune@ft_all, ...;
 `dvc repro finetune` runs them all). The backbone is models/pretrained/<finetune.model>.pt from the
-pretrain stage; the batch is the largest whose measured training step fits finetune.budget, with
+pretrain stage; the batch is the largest whose measured training step fits the budget (device.budget), with
 finetune.bittrain applied to what the method still saves. Methods: edgeflux/finetune.py. It trains on the
 target_train split (its first finetune.max_train_samples) plus every new labelled sample in data/incoming/.
 

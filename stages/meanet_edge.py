@@ -4,7 +4,7 @@ Starts from models/meanet/main.pt and models/meanet/hard_classes.json (meanet_cl
 hard classes of the device's data (target split, plus the new samples in data/incoming/) train, with their
 labels mapped to 0..n_hard-1; the main block is fixed (no gradients, eval mode: its BatchNorm statistics do
 not move) and the adaptive and extension blocks learn from the cross-entropy at the extension exit, at the
-largest batch whose measured step fits meanet.budget, with meanet.bittrain. The same batch is then measured
+largest batch whose measured step fits the budget (device.budget), with BitTrain as device.bittrain says. The same batch is then measured
 under joint optimisation (every block trainable, losses at both exits; the paper's Fig. 6 comparison).
 
 Writes models/meanet/edge.pt, metrics/meanet_edge.json (hard-class accuracy, measured peaks of the edge's

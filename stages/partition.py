@@ -1,7 +1,7 @@
 """Stage partition (NeuroFlux §2, Algorithm 1): blocks of consecutive units and a batch size per block.
 
 Reads the per-unit linear models in profile/memory.json; each unit's largest batch under
-neuroflux.budget (capped at neuroflux.max_batch) groups consecutive units whose batch sizes
+the budget (device.budget, capped at device.max_batch) groups consecutive units whose batch sizes
 differ by at most neuroflux.rho. A unit that cannot fit batch 1 stops the stage with the
 smallest budget that would work. Writes partition/blocks.json and metrics/partition.json.
 """
@@ -25,8 +25,8 @@ PROFILE, BLOCKS = Path("profile/memory.json"), Path("partition/blocks.json")
 def main(args, params) -> None:
     p = params.neuroflux
     if p.budget is None:
-        raise ParamsError(f"{args.params}: neuroflux.budget is not set (null or absent); NeuroFlux partitions a model "
-                          "under a memory budget: set it with a unit, e.g. neuroflux.budget: 16MB")
+        raise ParamsError(f"{args.params}: device.budget is not set (null or absent); NeuroFlux partitions a model "
+                          "under a memory budget: set it with a unit, e.g. device.budget: 16MB")
     profiles, meta = load_profile(PROFILE)
     with stage_run("partition", {"budget": p.budget, "max_batch": p.max_batch, "rho": p.rho}) as run:
         blocks = partition([(u.slope_bytes_per_sample, u.intercept_bytes) for u in profiles], p.budget, p.max_batch,

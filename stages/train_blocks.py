@@ -1,7 +1,7 @@
 """Stage train_blocks (NeuroFlux §3, Algorithm 2): block-wise adaptive local learning under the budget.
 
 Trains the blocks of partition/blocks.json in order, each at its own batch size (lowered only if
-the measured block step exceeds neuroflux.budget); a finished block's outputs for the train,
+the measured block step exceeds the budget, device.budget); a finished block's outputs for the train,
 validation and test splits are cached in cache/neuroflux/ (a DVC output) and feed the next block.
 A rerun skips finished blocks whose config and input match, verifies their caches (rebuilding a
 corrupt one) and resumes an interrupted block from its last epoch. Writes models/neuroflux.pt

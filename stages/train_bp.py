@@ -1,6 +1,6 @@
 """Stage train_bp: standard backpropagation on the device (target) data under a memory budget.
 
-Uses the largest batch whose measured training-step peak fits train_bp.budget (an error gives
+Uses the largest batch whose measured training-step peak fits the budget, device.budget (an error gives
 the smallest feasible budget when even batch 1 does not fit). train_bp.bittrain stores saved
 activations as bitmaps (BitTrain) in both the measured steps and training. Writes models/train_bp.pt,
 metrics/train_bp.json (DVC metrics), plots/train_bp.csv (accuracy vs training time) and

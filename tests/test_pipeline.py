@@ -363,3 +363,23 @@ def test_an_interrupted_stage_stops_cleanly_and_the_rerun_resumes(project, signu
     assert parent.info.status == child.info.status == "KILLED"
     resumed = sh("python -m stages.train_bp --params long.yaml", project)
     assert "resuming" in resumed.stdout + resumed.stderr
+
+
+def test_dvc_reruns_the_stages_whose_device_or_own_params_changed(project):
+    """A device key reruns every stage that inherits it (dvc status lists the stages `dvc repro` would run);
+    a stage section's own key reruns that stage only."""
+    good = (project / "params.yaml").read_text()
+
+    def changed(edit) -> set[str]:
+        params = yaml.safe_load(good)
+        edit(params)
+        (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        return set(json.loads(sh("dvc status --json", project).stdout))
+
+    try:
+        assert changed(lambda p: None) == set()
+        inherits = {"train_bp", "profile", "train_blocks", "meanet_cloud", "meanet_edge", *FINETUNE}
+        assert changed(lambda p: p["device"].update(device="auto")) == inherits
+        assert changed(lambda p: p["train_bp"].update(budget="4MB")) == {"train_bp"}
+    finally:
+        (project / "params.yaml").write_text(good)
