@@ -16,13 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from bench.bittrain import MODELS as BITTRAIN_MODELS, VARIANTS, Captured
-from edgeflux.backprop import choose_batch
+from edgeflux.backprop import fit_model_batch
 from edgeflux.data import load_raw, prepare, tensors
 from edgeflux.elastic import ElasticOptions
 from edgeflux.finetune import FinetuneOptions, finetune
 from edgeflux.memory import BudgetTooSmallError, MiB, format_bytes, measure_training_peak
 from edgeflux.models import build_model
-from edgeflux.train import MemoryOptions, TrainOptions, fit
+from edgeflux.train import MemoryOptions, TrainOptions, TrainRun, fit
 
 SAMPLE, CLASSES = (1, 32, 32), 10
 MEMORY = {"models": ("vgg16", "resnet18", "mobilenet_v2"), "widths": (0.25, 1.0), "batches": (8, 64)}
@@ -129,8 +129,8 @@ def budgeted_runs(device: str, quick: bool) -> list[dict]:
         torch.manual_seed(0)
         model = build_model(name, num_classes=CLASSES, in_channels=1, width=width, image_size=32)
         try:
-            batch, _, step = choose_batch(model, train, CLASSES, opts, MemoryOptions(budget=f"{budget}B"),
-                                          torch.device(device))
+            batch, _, step = fit_model_batch(model, train, opts, MemoryOptions(budget=f"{budget}B"),
+                                             TrainRun(torch.device(device)))
         except BudgetTooSmallError as exc:   # a row that says so: the budget holds, nothing trains
             rows.append({"model": f"{name}-w{width:g}", "budget_bytes": budget, "batch": None,
                          "step_peak_bytes": exc.min_feasible_bytes, "run_peak_bytes": None, "steps": 0,
@@ -140,7 +140,7 @@ def budgeted_runs(device: str, quick: bool) -> list[dict]:
         if device == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        result = fit(model, train, val, opts, batch, device=device, desc=f"{name} under {format_bytes(budget)}")
+        result = fit(model, train, val, opts, batch, TrainRun(device, desc=f"{name} under {format_bytes(budget)}"))
         run_peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
         rows.append({"model": f"{name}-w{width:g}", "budget_bytes": budget, "batch": batch,
                      "step_peak_bytes": step.peak_bytes, "run_peak_bytes": run_peak, "steps": result.steps,
@@ -253,7 +253,7 @@ def _pretrained(cfg: dict, device: str):
     opts = TrainOptions(epochs=cfg["pretrain_epochs"], lr=2e-3, optimizer="adam", evals_per_epoch=1, seed=0,
                         device=device)
     fit(model, tensors(data, "source_train", limit=cfg["pretrain_samples"]),
-        tensors(data, "source_val", limit=cfg["test_samples"] or 1000), opts, 128, device=device, desc="pretrain")
+        tensors(data, "source_val", limit=cfg["test_samples"] or 1000), opts, 128, TrainRun(device, desc="pretrain"))
     return model.cpu()
 
 

@@ -48,7 +48,7 @@ from edgeflux.meanet.train import edge_step_memory, joint_step_memory, main_logi
 from edgeflux.models import build_model
 from edgeflux.neuroflux.plots import _pyplot, _save
 from edgeflux.tracking import save_model_dir
-from edgeflux.train import MemoryOptions, TrainOptions, evaluate
+from edgeflux.train import MemoryOptions, TrainOptions, TrainRun, evaluate
 
 NAME = "meanet"
 log = logging.getLogger("bench.meanet")
@@ -105,8 +105,8 @@ def pretrain(name: str, width: float, epochs: int, data: dict) -> torch.nn.Modul
                             seed=0)
     opts = TrainOptions(epochs=epochs, batch_size=128, lr=0.05, evals_per_epoch=1, device="cpu")
     s = data["source"]
-    run = train_under_budget(model, s["train"], s["val"], s["test"], 10, opts, MemoryOptions(), torch.device("cpu"),
-                             desc=f"pretrain {name}-w{width:g}")
+    run = train_under_budget(model, s["train"], s["val"], s["test"], opts,
+                             TrainRun(torch.device("cpu"), desc=f"pretrain {name}-w{width:g}"))
     log.info("pretrained %s-w%g: source test accuracy %.4f in %.0fs", name, width, run.test_acc, run.train.train_time_s)
     return model
 

@@ -57,7 +57,7 @@ from edgeflux.memory import (MiB, BudgetTooSmallError, TrainStep, format_bytes, 
 from edgeflux.mobiletl import sign_backward, transform_block
 from edgeflux.models import build_model, count_params
 from edgeflux.models.units import train_mode
-from edgeflux.train import MemoryOptions, TrainOptions, optimizer_factory
+from edgeflux.train import TrainOptions, TrainRun, optimizer_factory
 
 NAME = "mobiletl"
 log = logging.getLogger("bench.mobiletl")
@@ -238,8 +238,8 @@ def pretrain(name: str, args, num_classes: int, source: dict) -> tuple[nn.Module
                 m.momentum = args.bn_momentum
     opts = TrainOptions(epochs=args.pretrain_epochs, batch_size=64, lr=args.pretrain_lr, optimizer="adam",
                         evals_per_epoch=1, seed=0, device="cpu")
-    run = train_under_budget(model, source["train"], source["val"], source["test"], num_classes, opts,
-                             MemoryOptions(), torch.device("cpu"), desc=f"pretrain {name}")
+    run = train_under_budget(model, source["train"], source["val"], source["test"], opts,
+                             TrainRun(torch.device("cpu"), desc=f"pretrain {name}"))
     info = {"model": name, "source_test_acc": run.test_acc, "train_time_s": run.train.train_time_s,
             "epochs": args.pretrain_epochs, "samples": len(source["train"][1]), "batch": run.batch_size,
             "optimizer": f"adam lr {args.pretrain_lr:g}"}

@@ -49,7 +49,7 @@ from edgeflux.neuroflux.model import build_learners
 from edgeflux.neuroflux.partition import Block, partition, unit_batch_sizes
 from edgeflux.neuroflux.profile import profile_units, profiling_seconds
 from edgeflux.neuroflux.worker import CacheOptions, train_blocks
-from edgeflux.train import optimizer_factory
+from edgeflux.train import TrainRun, optimizer_factory
 
 log = logging.getLogger("bench.neuroflux")
 METHODS = {"neuroflux": "NeuroFlux", "backprop": "backprop", "classic": "classic LL"}
@@ -119,8 +119,8 @@ def run_backprop(spec, splits, opts, budget, args) -> dict:
     memory = MemoryOptions(budget=f"{budget}B", max_batch=args.max_batch)
     opts = opts.model_copy(update={"epochs": args.bp_epochs, "lr_scaling": args.bp_lr_scaling or opts.lr_scaling})
     try:
-        run = train_under_budget(model, splits["train"], splits["val"], splits["test"], spec["num_classes"], opts,
-                                 memory, torch.device(args.device), desc="backprop", track_test=True)
+        run = train_under_budget(model, splits["train"], splits["val"], splits["test"], opts,
+                                 TrainRun(torch.device(args.device), desc="backprop", track_test=True), memory)
     except BudgetTooSmallError as exc:
         return {"method": "backprop", "feasible": False, "min_feasible_bytes": exc.min_feasible_bytes}
     return {"method": "backprop", "feasible": True, "peak_bytes": run.step_memory.peak_bytes,

@@ -8,17 +8,14 @@ smallest feasible budget is.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import asdict, dataclass, replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from edgeflux.memory import BatchFit, StepMemory, measure_training_step
-from edgeflux.memory import choose_batch as choose_batch_under_budget
-from edgeflux.step import StepContext, TrainStep
-from edgeflux.train import MemoryOptions, TrainOptions, TrainResult, evaluate, fit, optimizer_factory
+from edgeflux.memory import BatchFit, StepMemory, choose_batch, measure_training_step
+from edgeflux.step import TrainStep
+from edgeflux.train import MemoryOptions, TrainOptions, TrainResult, TrainRun, evaluate, fit, optimizer_factory
 
 log = logging.getLogger(__name__)
 
@@ -62,39 +59,36 @@ class BudgetedRun:
                 "batch_fit": asdict(self.batch_fit) if self.batch_fit is not None else None}
 
 
-def choose_batch(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor], num_classes: int, opts: TrainOptions,
-                 memory: MemoryOptions, device: torch.device,
-                 context: StepContext | None = None, loss_fn=F.cross_entropy) -> tuple[int, BatchFit | None, StepMemory]:
-    """The largest batch (<= memory.max_batch) whose measured training-step peak fits memory.budget
-    (edgeflux.memory.choose_batch); without a budget, opts.batch_size, measured.
+def fit_model_batch(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor], opts: TrainOptions,
+                    memory: MemoryOptions, run: TrainRun | None = None) -> tuple[int, BatchFit | None, StepMemory]:
+    """The batch fit trains the whole ``model`` with: the largest (<= memory.max_batch) whose measured backprop
+    step fits memory.budget (edgeflux.memory.choose_batch, here given that step to measure); without a budget,
+    opts.batch_size, measured.
 
-    Steps are measured on real training samples, with the step fit trains with (TrainStep, the same context).
+    Steps are measured on real training samples, with the step fit trains with (TrainStep with run's context
+    and loss_fn, on run.device).
     """
-    make_step = TrainStep.factory(optimizer_factory(opts), loss_fn=loss_fn, context=context)
+    run = run or TrainRun()
+    make_step = TrainStep.factory(optimizer_factory(opts), loss_fn=run.loss_fn, context=run.context)
 
     def measure(x: torch.Tensor, y: torch.Tensor) -> StepMemory:
-        return measure_training_step(model, make_step, (x.clone(), y.clone()), (x.clone(), y.clone()), device)
+        return measure_training_step(model, make_step, (x.clone(), y.clone()), (x.clone(), y.clone()), run.device)
 
-    choice = choose_batch_under_budget(measure, train, budget_bytes=memory.budget, max_batch=memory.max_batch,
-                                       preferred=opts.batch_size if memory.budget is None else None)
+    choice = choose_batch(measure, train, budget_bytes=memory.budget, max_batch=memory.max_batch,
+                          preferred=opts.batch_size if memory.budget is None else None)
     return choice.batch_size, choice.fit, choice.memory
 
 
 def train_under_budget(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor], val: tuple[torch.Tensor, torch.Tensor],
-                       test: tuple[torch.Tensor, torch.Tensor], num_classes: int, opts: TrainOptions,
-                       memory: MemoryOptions, device: torch.device, checkpoint: Path | None = None,
-                       desc: str = "backprop", context: StepContext | None = None,
-                       track_test: bool = False, signature: str = "", make_before_step=None,
-                       loss_fn=F.cross_entropy) -> BudgetedRun:
-    """Backprop at the largest batch that fits memory.budget (measured). track_test: the history also
-    records test accuracy at each evaluation (for time-to-target benchmarks). signature: what else
-    defines the run for its checkpoint (fit's `signature`: e.g. the weights it starts from).
-    make_before_step: fit's (a method that re-selects its trainable tensors while training). loss_fn: fit's
-    (several exits trained jointly); the measured step uses it too."""
-    batch, batch_fit, step_memory = choose_batch(model, train, num_classes, opts, memory, device, context, loss_fn)
-    result = fit(model, train, val, opts, batch, device=device, checkpoint=checkpoint, desc=f"{desc} (batch {batch})",
-                 context=context, test=test if track_test else None, signature=signature,
-                 make_before_step=make_before_step, loss_fn=loss_fn)
-    test_acc = evaluate(model, *test, batch_size=batch, device=device)
-    log.info("%s: test accuracy %.4f after %.1fs of training", desc, test_acc, result.train_time_s)
+                       test: tuple[torch.Tensor, torch.Tensor], opts: TrainOptions, run: TrainRun | None = None,
+                       memory: MemoryOptions | None = None) -> BudgetedRun:
+    """Backprop at the largest batch whose measured step fits memory.budget (None: no budget, opts.batch_size).
+    run: fit's (TrainRun: device, checkpoint, signature, context, loss_fn, hooks, track_test); the measured
+    step uses its context and loss_fn too. The test split is scored once after training (and at every
+    evaluation with run.track_test)."""
+    run = run or TrainRun()
+    batch, batch_fit, step_memory = fit_model_batch(model, train, opts, memory or MemoryOptions(), run)
+    result = fit(model, train, val, opts, batch, replace(run, desc=f"{run.desc} (batch {batch})"), test)
+    test_acc = evaluate(model, *test, batch_size=batch, device=run.device)
+    log.info("%s: test accuracy %.4f after %.1fs of training", run.desc, test_acc, result.train_time_s)
     return BudgetedRun(batch, batch_fit, step_memory, result, test_acc, sum(p.numel() for p in model.parameters()))

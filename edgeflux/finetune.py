@@ -56,7 +56,7 @@ from edgeflux.elastic.plot import per_epoch
 from edgeflux.mobiletl import quantize_bottom, replace_module, shift_only, top_start, transform_block
 from edgeflux.models import UnitModel, count_params
 from edgeflux.models.units import freeze, train_mode
-from edgeflux.train import MemoryOptions, TrainOptions
+from edgeflux.train import MemoryOptions, TrainOptions, TrainRun
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ __all__ = ["METHODS", "METHOD_NAMES", "FinetuneOptions", "FinetuneRun", "Prepare
 class Prepared:
     """What a method hands the harness: the module that trains (sharing its trainable modules with the
     float model it was given), what it did, and, for a method that changes what trains while training, the
-    training loop's hook (edgeflux.train.fit's ``make_before_step``)."""
+    training loop's hook (``edgeflux.train.TrainRun.make_before_step``)."""
     model: nn.Module
     info: dict = field(default_factory=dict)
     make_before_step: Callable | None = None
@@ -262,10 +262,10 @@ def finetune(model: UnitModel, method: str, opts: FinetuneOptions, train: tuple,
     prepared = prepare(method, model, opts, calibration_batches(train[0], opts.calibration_batches), device)
     net = prepared.model
     trainable = [name for name, p in net.named_parameters() if p.requires_grad]
-    run = train_under_budget(net, train, val, test, model.num_classes, opts, opts, device, checkpoint=checkpoint,
-                             desc=f"finetune {spec}", context=opts.bittrain.context,
-                             signature=run_signature(method=spec, start=start, info=prepared.info),
-                             make_before_step=prepared.make_before_step, track_test=track_test)
+    run = train_under_budget(net, train, val, test, opts, TrainRun(
+        device, checkpoint=checkpoint, signature=run_signature(method=spec, start=start, info=prepared.info),
+        desc=f"finetune {spec}", context=opts.bittrain.context, make_before_step=prepared.make_before_step,
+        track_test=track_test), memory=opts)
     for name, p in net.named_parameters():       # a method that re-selected while training leaves its last set
         p.requires_grad_(name in trainable)
     n = min(FLOPS_BATCH, len(train[1]))

@@ -2,9 +2,9 @@
 checkpoints and exact resume, progress, and the hooks fine-tuning methods need.
 
     step = TrainStep.factory(optimizer_factory(opts), context=context)(model)    # edgeflux.step
-    result = train_loop(step, lambda epoch: batches(x, y, 64, shuffle=True, seed=epoch), epochs=3,
-                        steps_per_epoch=math.ceil(len(x) / 64), evals_per_epoch=2,
-                        evaluate=lambda: {"val_acc": evaluate(model, *val)}, seed=0)
+    result = train_loop(step, lambda epoch: batches(x, y, 64, shuffle=True, seed=epoch),
+                        Schedule(epochs=3, steps_per_epoch=math.ceil(len(x) / 64), evals_per_epoch=2, seed=0),
+                        evaluate=lambda: {"val_acc": evaluate(model, *val)}, run=TrainRun(checkpoint=path))
 
 The loop does not know what a step does: backprop's ``TrainStep``, NeuroFlux's block step (local
 losses) and the fine-tuning methods' steps are all called the same way, and the memory budget
@@ -17,13 +17,13 @@ measures the same steps (``edgeflux.memory.measure_training_step``). It owns:
   machine that other work loads, wall time stretches (70 s became 884 s here) and CPU time barely;
 * modes: the model trains in ``train_mode`` (modules a method keeps in eval, e.g. frozen BatchNorm,
   stay so) and evaluation restores every submodule's own mode;
-* resume: with ``checkpoint`` set, the full state (model, optimizer, scheduler, RNG, history, elapsed
-  time) is written atomically after every epoch; a rerun with the same signature continues from the
-  next epoch, and because each epoch's batches are a function of (seed, epoch) the result equals an
-  uninterrupted run;
+* resume: with ``run.checkpoint`` set (``TrainRun``: what a run carries from its trainer down to the
+  loop), the full state (model, optimizer, scheduler, RNG, history, elapsed time) is written atomically
+  after every epoch; a rerun with the same signature continues from the next epoch, and because each
+  epoch's batches are a function of (seed, epoch) the result equals an uninterrupted run;
 * hooks: ``before_step(result)`` runs before every step (a method that re-selects its trainable tensors
   at run time does it here; the optimizer holds every tensor that may train, and skips those without a
-  gradient), ``on_epoch_end(epoch, result)`` after each epoch's checkpoint.
+  gradient), ``run.on_epoch_end(epoch, result)`` after each epoch's checkpoint.
 
 ``fit`` is backprop on in-memory tensors through this loop.
 """
@@ -33,7 +33,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +53,10 @@ from edgeflux.step import Step, StepContext, TrainStep, no_context
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LR_SCALINGS", "OPTIMIZERS", "MemoryOptions", "TrainOptions", "TrainResult", "evaluate", "fit",
-           "load_checkpoint", "make_optimizer", "optimizer_factory", "progress_bar", "resolve_device", "rng_state",
-           "run_signature", "save_checkpoint", "set_rng_state", "tensor_digest", "train_loop"]
+__all__ = ["LR_SCALINGS", "OPTIMIZERS", "MemoryOptions", "Schedule", "TrainOptions", "TrainResult", "TrainRun",
+           "evaluate", "fit", "load_checkpoint", "make_optimizer", "optimizer_factory", "progress_bar",
+           "resolve_device", "rng_state", "run_signature", "save_checkpoint", "set_rng_state", "tensor_digest",
+           "train_loop"]
 
 CHECKPOINT_FORMAT = 2   # in every checkpoint's signature: a file of another layout is never loaded
 
@@ -125,46 +126,86 @@ def progress_bar() -> Progress:
                     TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TimeRemainingColumn())
 
 
+@dataclass(frozen=True)
+class TrainRun:
+    """How one training run is carried out, kept and shown: what travels unchanged from the trainer that
+    starts it (train_under_budget, fine-tuning, a NeuroFlux block) through fit down to train_loop.
+
+    device: where the step runs. checkpoint: the run's full state is written there after every epoch (None:
+    not resumable). signature: what else defines the run, beside what fit adds (options, batch, data), e.g.
+    the weights a fine-tuning run starts from; a checkpoint of another signature is never resumed.
+    desc: the run's name in the progress bar and the log. on_epoch_end(epoch, result): after each epoch's
+    checkpoint. keep_checkpoint: leave the checkpoint after the last epoch (a caller with work after training
+    keeps it until that work is saved, so that a kill in between does not retrain); else it is deleted.
+    offset: (steps, wall seconds, CPU seconds) already on the curve before this run (NeuroFlux's earlier blocks).
+
+    What fit builds the step with (the loop itself does not read these): context(model) is entered around each
+    forward and backward (how activations are saved, e.g. BitTrain), and the batch-size measurement uses the
+    same one; loss_fn(model(x), y) is the training loss (a model with several exits returns them all while
+    training); make_before_step(step, train, batch_size) builds the loop's ``before_step`` hook for the step
+    that trains (e.g. ElasticTrainer's selection); track_test: also record test accuracy at every evaluation
+    (time-to-target curves; never used to choose anything).
+    """
+    device: torch.device | str = "cpu"
+    checkpoint: Path | None = None
+    signature: str = ""
+    desc: str = "train"
+    on_epoch_end: Callable[[int, TrainResult], None] | None = None
+    keep_checkpoint: bool = False
+    offset: tuple[int, float, float] = (0, 0.0, 0.0)
+    context: StepContext | None = None
+    loss_fn: Callable[[Any, Tensor], Tensor] = F.cross_entropy
+    make_before_step: Callable[[Step, tuple, int], Callable[[TrainResult], None]] | None = None
+    track_test: bool = False
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How long train_loop trains and when it evaluates: ``epochs`` of ``steps_per_epoch`` steps (the cosine LR
+    spans them all), ``evals_per_epoch`` evaluation points per epoch; ``seed`` seeds the global RNG of a fresh run."""
+    epochs: int
+    steps_per_epoch: int
+    evals_per_epoch: int
+    seed: int
+
+
 @dataclass
 class _Loop:
-    """What one run of train_loop holds: the step, its schedule and where the curve's clock starts."""
+    """What one run of train_loop holds: the step, its schedule and the run's settings."""
     step: Step
     scheduler: torch.optim.lr_scheduler.LRScheduler
     eval_points: set[int]
     steps_per_epoch: int
     evaluate: Callable[[], dict]
     device: torch.device
-    offset: tuple[int, float, float]   # (steps, wall s, CPU s) already on the curve before this run (NeuroFlux's earlier blocks)
+    run: TrainRun
     before_step: Callable[[TrainResult], None] | None
-    desc: str
 
 
-def train_loop(step: Step, batches: Callable[[int], Iterable[tuple[Tensor, Tensor]]], *, epochs: int,
-               steps_per_epoch: int, evals_per_epoch: int, evaluate: Callable[[], dict], seed: int,
-               device: torch.device | str = "cpu", checkpoint: Path | None = None, signature: str = "",
-               desc: str = "train", before_step: Callable[[TrainResult], None] | None = None,
-               on_epoch_end: Callable[[int, TrainResult], None] | None = None, keep_checkpoint: bool = False,
-               offset: tuple[int, float, float] = (0, 0.0, 0.0)) -> TrainResult:
-    """Train ``step.model`` for ``epochs`` epochs of ``batches(epoch)`` (see the module docstring).
+def train_loop(step: Step, batches: Callable[[int], Iterable[tuple[Tensor, Tensor]]], schedule: Schedule,
+               evaluate: Callable[[], dict], run: TrainRun | None = None,
+               before_step: Callable[[TrainResult], None] | None = None) -> TrainResult:
+    """Train ``step.model`` for ``schedule.epochs`` epochs of ``batches(epoch)`` (see the module docstring).
 
     evaluate(): the row fields at an evaluation point (at least ``val_acc``), in eval mode.
-    signature: what defines the run; a checkpoint of another signature is never resumed.
-    keep_checkpoint: leave the checkpoint after the last epoch (a caller with work after training keeps
-    it until that work is saved, so that a kill in between does not retrain); else it is deleted.
-    offset: (steps, wall seconds, CPU seconds) the history's step, time_s and cpu_s start from.
+    run: device, checkpoint, signature, desc, on_epoch_end, keep_checkpoint and offset (TrainRun).
+    before_step(result): runs before every step.
     """
+    run = run or TrainRun()
+    epochs, steps_per_epoch, evals_per_epoch = schedule.epochs, schedule.steps_per_epoch, schedule.evals_per_epoch
     total = steps_per_epoch * epochs
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(step.optimizer, T_max=total)
     loop = _Loop(step, scheduler, {round(steps_per_epoch * k / evals_per_epoch) for k in range(1, evals_per_epoch + 1)},
-                 steps_per_epoch, evaluate, torch.device(device), offset, before_step, desc)
-    signature = run_signature(run=signature, checkpoint_format=CHECKPOINT_FORMAT)
+                 steps_per_epoch, evaluate, torch.device(run.device), run, before_step)
+    signature = run_signature(run=run.signature, checkpoint_format=CHECKPOINT_FORMAT)
+    checkpoint = run.checkpoint
     result = _resume(loop, checkpoint, signature, epochs)
     if result is None:
         result = TrainResult()
-        torch.manual_seed(seed)
+        torch.manual_seed(schedule.seed)
     train_mode(step.model)
     with progress_bar() as progress:
-        task = progress.add_task(desc, total=total, completed=result.epochs_done * steps_per_epoch, status="")
+        task = progress.add_task(run.desc, total=total, completed=result.epochs_done * steps_per_epoch, status="")
         for epoch in range(result.epochs_done, epochs):
             _run_epoch(loop, batches(epoch), epoch, result, progress, task)
             result.epochs_done = epoch + 1
@@ -172,9 +213,9 @@ def train_loop(step: Step, batches: Callable[[int], Iterable[tuple[Tensor, Tenso
                 save_checkpoint(checkpoint, {
                     "signature": signature, "model": step.model.state_dict(), "optimizer": step.optimizer.state_dict(),
                     "scheduler": scheduler.state_dict(), "rng": rng_state(), "result": dict(vars(result))})
-            if on_epoch_end is not None:
-                on_epoch_end(epoch, result)
-    if checkpoint is not None and not keep_checkpoint and checkpoint.exists():
+            if run.on_epoch_end is not None:
+                run.on_epoch_end(epoch, result)
+    if checkpoint is not None and not run.keep_checkpoint and checkpoint.exists():
         checkpoint.unlink()
     return result
 
@@ -188,7 +229,7 @@ def _resume(loop: _Loop, checkpoint: Path | None, signature: str, epochs: int) -
     set_rng_state(state["rng"])
     result = TrainResult(**state["result"])
     result.resumed_from_epoch = result.epochs_done
-    log.info("%s: resuming from checkpoint %s after epoch %d/%d", loop.desc, checkpoint, result.epochs_done, epochs)
+    log.info("%s: resuming from checkpoint %s after epoch %d/%d", loop.run.desc, checkpoint, result.epochs_done, epochs)
     return result
 
 
@@ -211,12 +252,13 @@ def _run_epoch(loop: _Loop, epoch_batches: Iterable[tuple[Tensor, Tensor]], epoc
         loss_n += len(yb)
         if i in loop.eval_points:
             clock()
-            row = {"step": loop.offset[0] + result.steps, "epoch": epoch + i / loop.steps_per_epoch,
-                   "time_s": loop.offset[1] + result.train_time_s, "cpu_s": loop.offset[2] + result.train_cpu_s,
+            offset = loop.run.offset
+            row = {"step": offset[0] + result.steps, "epoch": epoch + i / loop.steps_per_epoch,
+                   "time_s": offset[1] + result.train_time_s, "cpu_s": offset[2] + result.train_cpu_s,
                    "train_loss": loss_sum / loss_n, **loop.evaluate()}
             train_mode(loop.step.model)
             result.history.append(row)
-            log.info("%s: epoch %.2f step %d loss %.4f val_acc %.4f (%.1fs training, %.1f CPU s)", loop.desc,
+            log.info("%s: epoch %.2f step %d loss %.4f val_acc %.4f (%.1fs training, %.1f CPU s)", loop.run.desc,
                      row["epoch"], row["step"], row["train_loss"], row["val_acc"], row["time_s"], row["cpu_s"])
             progress.update(task, status=f"loss {row['train_loss']:.3f} val {row['val_acc']:.3f}")
             loss_sum, loss_n = 0.0, 0
@@ -232,44 +274,42 @@ def _describe(context: Callable) -> object:
 
 
 def fit(model: nn.Module, train: tuple[Tensor | Images, Tensor], val: tuple[Tensor | Images, Tensor],
-        opts: TrainOptions, batch_size: int, *, device: torch.device | str = "cpu",
-        checkpoint: Path | None = None, signature: str = "", desc: str = "train",
-        on_epoch_end: Callable[[int, TrainResult], None] | None = None,
-        context: StepContext | None = None, test: tuple[Tensor | Images, Tensor] | None = None,
-        make_before_step: Callable[[Step, tuple, int], Callable[[TrainResult], None]] | None = None,
-        loss_fn: Callable[[Any, Tensor], Tensor] = F.cross_entropy) -> TrainResult:
+        opts: TrainOptions, batch_size: int, run: TrainRun | None = None,
+        test: tuple[Tensor | Images, Tensor] | None = None) -> TrainResult:
     """Backprop: train ``model`` in place for ``opts.epochs`` epochs at ``batch_size`` through train_loop.
 
-    ``context(model)`` is entered around each forward and backward (how activations are saved, e.g.
-    BitTrain); the batch-size measurement uses the same one. Each epoch's shuffle is seeded by
-    (opts.seed, epoch). ``test``: also record test accuracy at every evaluation (benchmarks'
-    time-to-target curves; never used to choose anything). ``make_before_step(step, train, batch_size)``:
-    the loop's ``before_step`` hook, built for the step that trains (e.g. ElasticTrainer's selection).
-    ``loss_fn(model(x), y)``: the training loss (a model with several exits returns them all while training).
+    run: how the run is carried out (TrainRun: device, checkpoint, context, loss_fn, hooks, ...). Each epoch's
+    shuffle is seeded by (opts.seed, epoch). test: the split evaluated at every evaluation point when
+    ``run.track_test``.
     """
-    device = torch.device(device)
-    context = context or no_context
+    run = run or TrainRun()
+    device = torch.device(run.device)
+    context = run.context or no_context
     x_train, y_train = train
     step = TrainStep.factory(optimizer_factory(opts.model_copy(update={"lr": opts.lr_for(batch_size)})),
-                             loss_fn=loss_fn, context=context)(model.to(device))
-    # What the run is: options, batch, how activations are saved, and the data (a checkpoint of a run on a
-    # split prepared differently since is not resumed). Not the starting weights: a fresh process builds
-    # them anew; a caller fine-tuning loaded weights passes their identity (and its method) as `signature`.
-    parts = dict(opts=opts.model_dump(), batch_size=batch_size, context=_describe(context),
-                 data=tensor_digest(x_train, y_train, *val))
-    if loss_fn is not F.cross_entropy:   # (only then: the signatures of existing checkpoints stay as they were)
-        parts["loss"] = loss_fn.__qualname__
-    signature = run_signature(**parts, start=signature) if signature else run_signature(**parts)
+                             loss_fn=run.loss_fn, context=context)(model.to(device))
 
     def evaluate_now() -> dict:
         row = {"val_acc": evaluate(model, *val, batch_size=batch_size, device=device)}
-        if test is not None:
+        if run.track_test:
             row["test_acc"] = evaluate(model, *test, batch_size=batch_size, device=device)
         return row
 
+    schedule = Schedule(opts.epochs, math.ceil(len(x_train) / batch_size), opts.evals_per_epoch, opts.seed)
     return train_loop(step, lambda epoch: batches(x_train, y_train, batch_size, shuffle=True,
                                                   seed=opts.seed * 1000 + epoch),
-                      epochs=opts.epochs, steps_per_epoch=math.ceil(len(x_train) / batch_size),
-                      evals_per_epoch=opts.evals_per_epoch, evaluate=evaluate_now, seed=opts.seed, device=device,
-                      checkpoint=checkpoint, signature=signature, desc=desc, on_epoch_end=on_epoch_end,
-                      before_step=make_before_step(step, train, batch_size) if make_before_step else None)
+                      schedule, evaluate_now,
+                      replace(run, device=device, signature=_fit_signature(opts, batch_size, context, train, val, run)),
+                      run.make_before_step(step, train, batch_size) if run.make_before_step else None)
+
+
+def _fit_signature(opts: TrainOptions, batch_size: int, context: StepContext, train: tuple, val: tuple,
+                   run: TrainRun) -> str:
+    """What a fit run is: options, batch, how activations are saved, and the data (a checkpoint of a run on a
+    split prepared differently since is not resumed). Not the starting weights: a fresh process builds them
+    anew; a caller fine-tuning loaded weights passes their identity (and its method) as ``run.signature``."""
+    parts = dict(opts=opts.model_dump(), batch_size=batch_size, context=_describe(context),
+                 data=tensor_digest(*train, *val))
+    if run.loss_fn is not F.cross_entropy:   # only then: the signatures of existing checkpoints stay as they were
+        parts["loss"] = run.loss_fn.__qualname__
+    return run_signature(**parts, start=run.signature) if run.signature else run_signature(**parts)

@@ -10,11 +10,10 @@ from pathlib import Path
 
 from edgeflux.artifacts import save_model
 from edgeflux.backprop import train_under_budget
-from edgeflux.config import MemoryOptions
 from edgeflux.data import load_prepared, tensors
 from edgeflux.models import build_model
 from edgeflux.tracking import stage_run
-from edgeflux.train import resolve_device
+from edgeflux.train import TrainRun, resolve_device
 from stages.common import headline, run_stage, stage_parser, write_metrics
 from stages.registry import Stage
 
@@ -36,8 +35,8 @@ def main(args, params) -> None:
         for spec in p.models:
             build_args = spec.build_args(len(data.classes), train[0].shape[1], train[0].shape[-1], p.seed)
             model = build_model(**build_args, pretrained_path=spec.pretrained_path)
-            result = train_under_budget(model, train, val, test, len(data.classes), p, MemoryOptions(), device,
-                                        checkpoint=CHECKPOINTS / f"{spec.key}.pt", desc=f"pretrain {spec.key}")
+            result = train_under_budget(model, train, val, test, p, TrainRun(
+                device, checkpoint=CHECKPOINTS / f"{spec.key}.pt", desc=f"pretrain {spec.key}"))
             summary[spec.key] = result.metrics()
             save_model(OUT / f"{spec.key}.pt", model, build_args, meta={"stage": "pretrain", **summary[spec.key]})
             run.log_metrics({f"{spec.key}.{k}": v for k, v in summary[spec.key].items()})

@@ -15,8 +15,8 @@ from edgeflux.backprop import train_under_budget
 from edgeflux.data import load_prepared, tensors
 from edgeflux.models import build_model
 from edgeflux.tracking import stage_run
-from edgeflux.train import resolve_device
 from edgeflux.rows import MethodRow, RowInputs, training_row
+from edgeflux.train import TrainRun, resolve_device
 from stages.common import peak_rss_bytes, run_stage, stage_parser, write_history_csv, write_metrics
 from stages.registry import Stage
 
@@ -37,9 +37,9 @@ def main(args, params) -> None:
     build_args = p.model.build_args(len(data.classes), train[0].shape[1], train[0].shape[-1], p.seed)
     with stage_run("train_bp", p.model_dump()) as run:
         model = build_model(**build_args, pretrained_path=p.model.pretrained_path)
-        result = train_under_budget(model, train, tensors(data, "target_val"), tensors(data, "target_test"),
-                                    len(data.classes), p, p, device, checkpoint=CHECKPOINT, desc="train_bp",
-                                    context=p.bittrain.context)
+        run_settings = TrainRun(device, checkpoint=CHECKPOINT, desc="train_bp", context=p.bittrain.context)
+        result = train_under_budget(model, train, tensors(data, "target_val"), tensors(data, "target_test"), p,
+                                    run_settings, memory=p)
         metrics = {"model": p.model.key, "device": str(device), **result.metrics(),
                    # the whole process on the host (torch, data): not what the budget bounds
                    "peak_rss_bytes": peak_rss_bytes()}

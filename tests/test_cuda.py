@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgeflux.backprop import choose_batch, train_under_budget
+from edgeflux.backprop import fit_model_batch, train_under_budget
 from edgeflux.bittrain import BitTrainOptions, compress
 from edgeflux.elastic import predict_backward, profile_tensors
 from edgeflux.memory import (OUTSIDE_UNITS, BudgetTooSmallError, count_saved_tensors, measure_step,
@@ -26,7 +26,7 @@ from edgeflux.neuroflux.model import build_learners
 from edgeflux.neuroflux.partition import min_budget_bytes, partition
 from edgeflux.neuroflux.profile import profile_units
 from edgeflux.neuroflux.worker import train_blocks
-from edgeflux.train import MemoryOptions, TrainOptions, optimizer_factory, resolve_device
+from edgeflux.train import MemoryOptions, TrainOptions, TrainRun, optimizer_factory, resolve_device
 from test_bittrain import _cases as bittrain_cases
 from test_memory import sgd_momentum, small_cnn
 
@@ -165,7 +165,8 @@ def test_bittrain_gradients_are_bit_identical_and_stored_smaller(device, determi
 def _peak_at(model, data, batch: int, opts: TrainOptions, device) -> int:
     """The measured peak of the step backprop trains with, at `batch`, on the first `batch` samples."""
     sample = data[0][:batch], data[1][:batch]
-    return choose_batch(model, sample, 10, opts.model_copy(update={"batch_size": batch}), MemoryOptions(), device)[2].peak_bytes
+    return fit_model_batch(model, sample, opts.model_copy(update={"batch_size": batch}), MemoryOptions(),
+                           TrainRun(device))[2].peak_bytes
 
 
 def test_backprop_trains_at_a_batch_whose_measured_peak_fits_the_budget(device):
@@ -174,7 +175,8 @@ def test_backprop_trains_at_a_batch_whose_measured_peak_fits_the_budget(device):
     opts = TrainOptions(epochs=1, batch_size=1, lr=0.05, evals_per_epoch=1, seed=0)
     p1, p16 = _peak_at(model, train, 1, opts, device), _peak_at(model, train, 16, opts, device)
     budget = (p1 + p16) // 2
-    run = train_under_budget(model, train, val, test, 10, opts, MemoryOptions(budget=f"{budget}B", max_batch=64), device)
+    run = train_under_budget(model, train, val, test, opts, TrainRun(device),
+                             MemoryOptions(budget=f"{budget}B", max_batch=64))
     assert run.step_memory.device == str(device)
     assert run.step_memory.peak_bytes == run.batch_fit.peak_bytes <= budget
     measured = dict(run.batch_fit.measurements)
@@ -182,7 +184,7 @@ def test_backprop_trains_at_a_batch_whose_measured_peak_fits_the_budget(device):
     assert run.train.steps == math.ceil(64 / run.batch_size)
     assert all(p.device.type == device.type for p in model.parameters())
     with pytest.raises(BudgetTooSmallError, match="smallest feasible budget") as err:
-        choose_batch(model, train, 10, opts, MemoryOptions(budget=f"{p1 // 2}B"), device)
+        fit_model_batch(model, train, opts, MemoryOptions(budget=f"{p1 // 2}B"), TrainRun(device))
     assert err.value.min_feasible_bytes > p1 // 2
 
 

@@ -11,7 +11,7 @@ from edgeflux.artifacts import (CHECKSUM_KEY, CorruptFileError, content_digest, 
 from edgeflux.data import PreparedDataError, load_prepared, save_prepared, tensors
 from edgeflux.models import build_model
 from edgeflux.neuroflux.model import build_learners, load_learners, save_learners
-from edgeflux.train import fit
+from edgeflux.train import TrainRun, fit
 from tests.test_train import OPTS, Interrupt, small_model
 
 SPEC = dict(name="vgg11", num_classes=10, in_channels=1, width=0.125)
@@ -90,12 +90,13 @@ def test_a_flipped_checkpoint_is_not_resumed(mnist_subset, tmp_path, caplog):
     interrupted = small_model(mnist_subset)
     interrupted.load_state_dict(initial)
     with pytest.raises(Interrupt):
-        fit(interrupted, train, val, OPTS, 64, checkpoint=ckpt, on_epoch_end=lambda e, r: (_ for _ in ()).throw(Interrupt()))
+        fit(interrupted, train, val, OPTS, 64,
+            TrainRun(checkpoint=ckpt, on_epoch_end=lambda e, r: (_ for _ in ()).throw(Interrupt())))
     flip_inside(ckpt, max(interrupted.state_dict().values(), key=torch.Tensor.numel))
     again = small_model(mnist_subset)
     again.load_state_dict(initial)
     with caplog.at_level(logging.WARNING):
-        result = fit(again, train, val, OPTS, 64, checkpoint=ckpt)
+        result = fit(again, train, val, OPTS, 64, TrainRun(checkpoint=ckpt))
     assert result.resumed_from_epoch == 0 and "does not match its checksum" in caplog.text
     for (name, a), b in zip(reference.state_dict().items(), again.state_dict().values()):
         assert torch.equal(a, b), name

@@ -128,7 +128,7 @@ def trained_net(data, variant="B"):
     model = small()
     opts = EdgeOptions(epochs=2, batch_size=32, lr=0.05, evals_per_epoch=1)
     train_under_budget(model, tensors(data, "source_train"), tensors(data, "source_val", limit=256),
-                       tensors(data, "source_test", limit=64), 10, opts, opts, torch.device("cpu"))
+                       tensors(data, "source_test", limit=64), opts, memory=opts)
     net = build_meanet(model, MEANetSpec(variant=variant, n_hard=5), model.build_args)
     val = tensors(data, "source_val")
     net.eval()

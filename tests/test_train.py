@@ -5,7 +5,7 @@ import torch
 from edgeflux.config import TrainOptions
 from edgeflux.data import tensors
 from edgeflux.models import build_model
-from edgeflux.train import evaluate, fit
+from edgeflux.train import TrainRun, evaluate, fit
 
 OPTS = TrainOptions(epochs=2, batch_size=64, lr=0.05, evals_per_epoch=2, seed=3, device="cpu")
 
@@ -46,10 +46,10 @@ def test_interrupted_run_resumes_to_identical_weights(mnist_subset, tmp_path):
             raise Interrupt
 
     with pytest.raises(Interrupt):
-        fit(interrupted, train, val, OPTS, batch_size=64, checkpoint=ckpt, on_epoch_end=stop_after_first_epoch)
+        fit(interrupted, train, val, OPTS, 64, TrainRun(checkpoint=ckpt, on_epoch_end=stop_after_first_epoch))
     assert ckpt.exists()
     resumed = small_model(mnist_subset)  # a fresh process would start from fresh weights
-    result = fit(resumed, train, val, OPTS, batch_size=64, checkpoint=ckpt)
+    result = fit(resumed, train, val, OPTS, 64, TrainRun(checkpoint=ckpt))
     assert result.resumed_from_epoch == 1 and result.epochs_done == 2
     assert not ckpt.exists()
     for (name, a), b in zip(reference.state_dict().items(), resumed.state_dict().values()):
@@ -61,12 +61,13 @@ def test_checkpoint_of_other_config_is_not_resumed(mnist_subset, tmp_path):
     ckpt = tmp_path / "ckpt.pt"
     one_epoch = OPTS.model_copy(update={"epochs": 1})
     with pytest.raises(Interrupt):
-        fit(small_model(mnist_subset), train, val, OPTS, batch_size=64, checkpoint=ckpt,
-            on_epoch_end=lambda e, r: (_ for _ in ()).throw(Interrupt()))
-    result = fit(small_model(mnist_subset), train, val, one_epoch.model_copy(update={"lr": 0.01}), 64, checkpoint=ckpt)
+        fit(small_model(mnist_subset), train, val, OPTS, 64,
+            TrainRun(checkpoint=ckpt, on_epoch_end=lambda e, r: (_ for _ in ()).throw(Interrupt())))
+    result = fit(small_model(mnist_subset), train, val, one_epoch.model_copy(update={"lr": 0.01}), 64,
+                 TrainRun(checkpoint=ckpt))
     assert result.resumed_from_epoch == 0
     ckpt.write_bytes(b"truncated")
-    assert fit(small_model(mnist_subset), train, val, one_epoch, 64, checkpoint=ckpt).resumed_from_epoch == 0
+    assert fit(small_model(mnist_subset), train, val, one_epoch, 64, TrainRun(checkpoint=ckpt)).resumed_from_epoch == 0
 
 
 @pytest.mark.parametrize("change", ["labels", "order", "bittrain"])
@@ -87,7 +88,8 @@ def test_checkpoint_of_other_data_or_activation_storage_is_not_resumed(mnist_sub
             raise Interrupt
 
         with pytest.raises(Interrupt):
-            fit(small_model(mnist_subset), data, val, OPTS, 64, checkpoint=ckpt, context=context, on_epoch_end=stop)
+            fit(small_model(mnist_subset), data, val, OPTS, 64,
+                TrainRun(checkpoint=ckpt, context=context, on_epoch_end=stop))
         return seen[0]
 
     assert resumed_from(train, plain) == 0
@@ -128,8 +130,8 @@ def test_the_budget_measures_the_step_that_trains(monkeypatch, mnist_subset):
     calls = _spy_calls(monkeypatch, TrainStep)
     model = small_model(mnist_subset)
     train, val = tensors(mnist_subset, "train", limit=256), tensors(mnist_subset, "val", limit=64)
-    run = train_under_budget(model, train, val, val, 10, OPTS.model_copy(update={"epochs": 1}),
-                             MemoryOptions(budget="1GB", max_batch=64), torch.device("cpu"))
+    run = train_under_budget(model, train, val, val, OPTS.model_copy(update={"epochs": 1}),
+                             memory=MemoryOptions(budget="1GB", max_batch=64))
     on_model = sum(m is model for m in calls)
     assert run.train.steps == 4 and on_model == run.train.steps
     # a warm-up and a measured step per batch size the search measured, each on a copy
@@ -163,12 +165,12 @@ def _loop_on(model, train, epochs=1, batch=64, before_step=None):
 
     from edgeflux.data import batches
     from edgeflux.step import TrainStep
-    from edgeflux.train import optimizer_factory, train_loop
+    from edgeflux.train import Schedule, optimizer_factory, train_loop
 
     step = TrainStep.factory(optimizer_factory(OPTS))(model)
-    return train_loop(step, lambda epoch: batches(*train, batch, shuffle=True, seed=epoch), epochs=epochs,
-                      steps_per_epoch=math.ceil(len(train[1]) / batch), evals_per_epoch=1,
-                      evaluate=lambda: {"val_acc": evaluate(model, *train)}, seed=0, before_step=before_step)
+    return train_loop(step, lambda epoch: batches(*train, batch, shuffle=True, seed=epoch),
+                      Schedule(epochs, math.ceil(len(train[1]) / batch), evals_per_epoch=1, seed=0),
+                      lambda: {"val_acc": evaluate(model, *train)}, before_step=before_step)
 
 
 def test_a_frozen_batchnorm_stays_frozen_through_training_and_evaluation(mnist_subset):

@@ -3,7 +3,7 @@
 
     opts = ElasticOptions(rho=0.5, interval=1)
     controller = ElasticController(opts, classifier=["units.13.1.weight", "units.13.1.bias"])
-    fit(model, train, val, topts, batch, make_before_step=controller.attach)    # via edgeflux.finetune
+    fit(model, train, val, topts, batch, TrainRun(make_before_step=controller.attach))    # via edgeflux.finetune
 
 The speedup objective ``rho`` asks a training step to take rho * T_full: the backward budget is
 rho * T_full - T_forward (Eq. 3; T_full and T_forward measured), spent on weight gradients and optimizer

@@ -22,7 +22,7 @@ from edgeflux.backprop import BudgetedRun, train_under_budget
 from edgeflux.memory import StepMemory, measure_training_step
 from edgeflux.models import UnitModel, eval_mode
 from edgeflux.step import TrainStep
-from edgeflux.train import MemoryOptions, TrainOptions, optimizer_factory
+from edgeflux.train import TrainOptions, TrainRun, optimizer_factory
 
 from .hard import HardClasses, select_hard
 from .model import MEANet, TwoExits, exits_loss, fix_main
@@ -44,9 +44,9 @@ def train_main_block(model: UnitModel, main: UnitModel, k: int, train, val, test
     exits' losses), so the main block learns from the whole dataset and the CNN's tail, which becomes the
     extension block and the cloud's half in features mode, still fits the main block's features. signature: the
     weights it starts from and the split (fit's), so that a checkpoint of another start is not resumed."""
-    return train_under_budget(TwoExits(model, main, k), train, val, test, model.num_classes, opts, MemoryOptions(),
-                              device, checkpoint=checkpoint, desc="meanet main block (A)", loss_fn=exits_loss,
-                              signature=signature)
+    return train_under_budget(TwoExits(model, main, k), train, val, test, opts,
+                              TrainRun(device, checkpoint=checkpoint, signature=signature, desc="meanet main block (A)",
+                                       loss_fn=exits_loss))
 
 
 def train_edge(net: MEANet, hard: HardClasses, train, val, test, opts, device: torch.device,
@@ -56,9 +56,9 @@ def train_edge(net: MEANet, hard: HardClasses, train, val, test, opts, device: t
     opts.budget with opts.bittrain. val and test are reduced to the hard classes the same way."""
     fix_main(net)
     train_h, val_h, test_h = (select_hard(*split, hard) for split in (train, val, test))
-    return train_under_budget(net, train_h, val_h, test_h, len(hard.class_map), opts, opts, device,
-                              checkpoint=checkpoint, desc="meanet edge", context=opts.bittrain.context,
-                              signature=signature, track_test=track_test)
+    return train_under_budget(net, train_h, val_h, test_h, opts,
+                              TrainRun(device, checkpoint=checkpoint, signature=signature, desc="meanet edge",
+                                       context=opts.bittrain.context, track_test=track_test), memory=opts)
 
 
 class JointMEANet(nn.Module):

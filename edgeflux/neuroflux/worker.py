@@ -34,7 +34,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -45,7 +45,7 @@ from edgeflux.artifacts import CorruptFileError, atomic_write, read_json, write_
 from edgeflux.checkpoint import run_signature, tensor_digest
 from edgeflux.memory import BudgetTooSmallError, format_bytes
 from edgeflux.step import StepContext, no_context
-from edgeflux.train import TrainOptions, TrainResult, optimizer_factory, train_loop
+from edgeflux.train import Schedule, TrainOptions, TrainResult, TrainRun, optimizer_factory, train_loop
 
 from .aux import LocalLearner
 from .block import BlockStep, LocalBlock, Prefix, evaluate_exits, fit_block_batch, measure_block_peak, out_shape
@@ -127,6 +127,32 @@ class _BlockFiles:
         return self.dir / split
 
 
+@dataclass(frozen=True)
+class _Settings:
+    """What every block of one train_blocks call trains with (see train_blocks)."""
+    opts: TrainOptions
+    budget_bytes: int | None
+    cache: CacheOptions
+    use_cache: bool
+    split_rho: float | None
+    device: torch.device
+    context: StepContext
+    checkpoint_dir: Path
+    on_epoch_end: Callable[[int, int], None] | None
+    desc: str
+
+
+@dataclass
+class _BlockWork:
+    """One block as the controller hands it on: its plan, its units' learners, the trained units before it
+    (without the cache its input is recomputed through them), its files and the signature of its result."""
+    block: Block
+    learners: list[LocalLearner]
+    prefix: Prefix | None
+    files: _BlockFiles
+    signature: str
+
+
 def _sources(data: dict[str, tuple[Tensor, Tensor]], cache: CacheOptions) -> dict[str, TensorSource]:
     return {split: TensorSource(x, y, shard_samples=cache.samples_per_shard(x.shape[1:], x.dtype))
             for split, (x, y) in ((s, data[s]) for s in SPLITS)}
@@ -156,11 +182,10 @@ def train_blocks(learners: Sequence[LocalLearner], blocks: Sequence[Block],
     time_limit_s: no new block starts once this much training time is spent (benchmarks cap slow
     baselines this way); the run then has fewer blocks than planned and ``complete`` is False.
     """
-    device = torch.device(device)
     cache = cache or CacheOptions()
-    context = context or no_context
     workdir = Path(workdir)
-    checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else workdir.parent / "checkpoints"
+    settings = _Settings(opts, budget_bytes, cache, use_cache, split_rho, torch.device(device), context or no_context,
+                         Path(checkpoint_dir) if checkpoint_dir else workdir.parent / "checkpoints", on_epoch_end, desc)
     raw_digests = {split: tensor_digest(*data[split]) for split in SPLITS}
     sources: dict = dict(_sources(data, cache))
     run = NeuroFluxRun([], [], [0.0] * len(learners), [0.0] * len(learners))
@@ -172,31 +197,27 @@ def train_blocks(learners: Sequence[LocalLearner], blocks: Sequence[Block],
             break
         planned = pending.popleft()
         block = Block(index=len(run.blocks), units=tuple(planned.units), batch_size=planned.batch_size)
-        files = _BlockFiles(workdir, block.index)
-        block_learners = [learners[i] for i in block.units]
-        prefix = None if use_cache else Prefix([learners[i] for i in range(block.units[0])])
-        block_sig = run_signature(run=signature or {}, units=list(block.units), planned=block.batch_size,
-                                  opts={k: getattr(opts, k) for k in TrainOptions.model_fields},
-                                  budget=budget_bytes, cache=cache.model_dump(),
-                                  use_cache=use_cache, input=_input_hash(sources, raw_digests))
-        result = _reuse_block(files, block_sig, block_learners, sources, prefix, device, cache) if use_cache \
-            else _reuse_weights(files, block_sig, block_learners)
+        work = _BlockWork(block, [learners[i] for i in block.units],
+                          None if use_cache else Prefix([learners[i] for i in range(block.units[0])]),
+                          _BlockFiles(workdir, block.index),
+                          run_signature(run=signature or {}, units=list(block.units), planned=block.batch_size,
+                                        opts={k: getattr(opts, k) for k in TrainOptions.model_fields},
+                                        budget=budget_bytes, cache=cache.model_dump(),
+                                        use_cache=use_cache, input=_input_hash(sources, raw_digests)))
+        result = _reuse_block(work, sources, settings) if use_cache else _reuse_weights(work)
         if result is None:
             try:
-                result = _train_block(block, block_learners, sources, opts, budget_bytes, prefix, context, device,
-                                      files, block_sig, checkpoint_dir / f"block{block.index}.pt", cache, use_cache,
-                                      (sum(b.steps for b in run.blocks), run.train_time_s, run.train_cpu_s), run.unit_val_acc,
-                                      run.unit_test_acc, on_epoch_end, desc, split_rho)
+                result = _train_block(work, sources, settings, so_far=run)
             except (BudgetTooSmallError, _BlockTooBig) as exc:
                 pending.extendleft(reversed(_split(block, exc)))
                 continue
         else:
             log.info("block %d (units %s): reusing the trained block and its caches from %s", block.index,
-                     list(block.units), files.dir)
-        _park(block_learners, prefix)
+                     list(block.units), work.files.dir)
+        _park(work.learners, work.prefix)
         _record(run, block, result)
         if use_cache:
-            sources = {split: ActivationCache.open(files.cache(split)) for split in SPLITS}
+            sources = {split: ActivationCache.open(work.files.cache(split)) for split in SPLITS}
     run.complete = not pending
     return run
 
@@ -250,16 +271,17 @@ def _park(block_learners: Sequence[LocalLearner], prefix: nn.Module | None) -> N
             module.to("cpu")
 
 
-def _reuse_weights(files: _BlockFiles, block_sig: str, block_learners: Sequence[LocalLearner]) -> BlockResult | None:
-    """The finished block's result, its weights loaded into block_learners; None when it must be trained.
+def _reuse_weights(work: _BlockWork) -> BlockResult | None:
+    """The finished block's result, its weights loaded into its learners; None when it must be trained.
 
     The record names the sha256 of the weights it describes: weights rewritten by a later run (with
     other settings, killed before its own record), truncated or corrupt, are never taken for these.
     """
+    files = work.files
     if not files.record.exists() or not files.weights.exists():
         return None
     record = _read_record(files.record)
-    if record is None or record.get("signature") != block_sig:
+    if record is None or record.get("signature") != work.signature:
         return None
     data = files.weights.read_bytes()
     if hashlib.sha256(data).hexdigest() != record.get("weights_sha256"):
@@ -267,7 +289,7 @@ def _reuse_weights(files: _BlockFiles, block_sig: str, block_learners: Sequence[
                     "block again", record["result"]["index"], files.weights, files.record)
         return None
     state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    for learner, sd in zip(block_learners, state, strict=True):
+    for learner, sd in zip(work.learners, state, strict=True):
         learner.load_state_dict(sd)
     return BlockResult(**{**record["result"], "skipped": True})
 
@@ -282,53 +304,47 @@ def _read_record(path: Path) -> dict | None:
         return None
 
 
-def _reuse_block(files: _BlockFiles, block_sig: str, block_learners: Sequence[LocalLearner], sources: dict,
-                 prefix: nn.Module | None, device: torch.device, cache: CacheOptions) -> BlockResult | None:
+def _reuse_block(work: _BlockWork, sources: dict, settings: _Settings) -> BlockResult | None:
     """The finished block from an earlier run, its caches verified (and rebuilt from its weights if corrupt)."""
-    result = _reuse_weights(files, block_sig, block_learners)
+    result = _reuse_weights(work)
     if result is None:
         return None
     for split in SPLITS:
         try:
-            ActivationCache.open(files.cache(split), producer=block_sig).verify()
+            ActivationCache.open(work.files.cache(split), producer=work.signature).verify()
         except (CacheCorruptError, FileNotFoundError, ValueError) as exc:
             log.warning("block %d: %s cache unusable (%s); rebuilding it from the block's saved weights",
                         result.index, split, exc)
-            _to_device(block_learners, prefix, device)
-            shape = out_shape(block_learners, sources[split], prefix)
-            with CacheWriter(files.cache(split), block_sig, shape, storage=cache.storage, threshold=cache.threshold,
-                             shard_samples=cache.samples_per_shard(shape)) as writer:
-                evaluate_exits(block_learners, sources[split], result.batch_size, device, prefix, writer)
+            _to_device(work.learners, work.prefix, settings.device)
+            shape = out_shape(work.learners, sources[split], work.prefix)
+            with _cache_writer(work, split, shape, settings.cache) as writer:
+                evaluate_exits(work.learners, sources[split], result.batch_size, settings.device, work.prefix, writer)
             result.rebuilt_caches.append(split)
     return result
 
 
-def _train_block(block: Block, block_learners: Sequence[LocalLearner], sources: dict, opts: TrainOptions,
-                 budget_bytes: int | None, prefix: nn.Module | None, context: StepContext, device: torch.device,
-                 files: _BlockFiles, block_sig: str, checkpoint: Path, cache: CacheOptions, use_cache: bool,
-                 before: tuple[int, float, float], unit_val: list[float],
-                 unit_test: list[float], on_epoch_end, desc: str, split_rho: float | None) -> BlockResult:
+def _train_block(work: _BlockWork, sources: dict, settings: _Settings, so_far: NeuroFluxRun) -> BlockResult:
+    """Measure the block's batch, train it and cache its outputs. so_far: the blocks before it (where its
+    curve starts, and the best exit it has to beat)."""
+    block, opts, budget_bytes = work.block, settings.opts, settings.budget_bytes
     tick, cpu_tick = time.perf_counter(), time.process_time()
-    batch, memory = fit_block_batch(block_learners, opts, sources["train"], block.batch_size, budget_bytes, prefix,
-                                    context, device)
+    batch, memory = fit_block_batch(work.learners, opts, sources["train"], block.batch_size, budget_bytes, work.prefix,
+                                    settings.context, settings.device)
     measure_time, measure_cpu = time.perf_counter() - tick, time.process_time() - cpu_tick
+    split_rho = settings.split_rho
     if split_rho is not None and len(block.units) > 1 and batch < (1 - split_rho) * block.batch_size:
         raise _BlockTooBig(f"its measured step fits batch {batch} only, more than rho={split_rho:g} below the "
                            f"planned {block.batch_size}")
     log.info("block %d (units %s): batch %d (planned %d), measured block-step peak %s%s", block.index,
              list(block.units), batch, block.batch_size, format_bytes(memory.peak_bytes),
              f" <= budget {format_bytes(budget_bytes)}" if budget_bytes else "")
-    _to_device(block_learners, prefix, device)   # (measured on copies: the originals were not on the device)
-    lr = opts.lr_for(batch)
-    step = BlockStep.factory(optimizer_factory(opts.model_copy(update={"lr": lr})), context)(
-        LocalBlock(block_learners, prefix))
-    train = _block_loop(block, step, sources, opts, batch, device, checkpoint, run_signature(block=block_sig, batch=batch),
-                        (before[0], before[1] + measure_time, before[2] + measure_cpu), unit_val,
-                        unit_test, on_epoch_end, desc)
+    _to_device(work.learners, work.prefix, settings.device)   # measured on copies: the originals are not there yet
+    train = _block_loop(work, sources, batch, settings, so_far, (sum(b.steps for b in so_far.blocks),
+                        so_far.train_time_s + measure_time, so_far.train_cpu_s + measure_cpu))
 
     # The block is trained: cache its outputs (use_cache) and score every unit's exit on the way.
     tick, cpu_tick = time.perf_counter(), time.process_time()
-    accs = _cache_outputs(block_learners, sources, batch, device, prefix, files, block_sig, cache, use_cache)
+    accs = _cache_outputs(work, sources, batch, settings)
     cache_time, cache_cpu = time.perf_counter() - tick, time.process_time() - cpu_tick
     result = BlockResult(
         index=block.index, units=list(block.units), planned_batch=block.batch_size, batch_size=batch,
@@ -336,9 +352,10 @@ def _train_block(block: Block, block_learners: Sequence[LocalLearner], sources: 
         train_time_s=train.train_time_s, cache_time_s=cache_time, measure_time_s=measure_time,
         cpu_s=measure_cpu + train.train_cpu_s + cache_cpu,
         unit_val_acc=accs["val"], unit_test_acc=accs["test"],
-        cache_bytes=sum(ActivationCache.open(files.cache(s)).nbytes for s in SPLITS) if use_cache else 0,
+        cache_bytes=sum(ActivationCache.open(work.files.cache(s)).nbytes for s in SPLITS) if settings.use_cache else 0,
         resumed_from_epoch=train.resumed_from_epoch, history=train.history)
-    _save_block(files, block_sig, block_learners, result)
+    _save_block(work, result)
+    checkpoint = _checkpoint(settings, block)
     if checkpoint.exists():
         checkpoint.unlink()
     log.info("block %d done: %d steps, %.1fs training, %.1fs caching; exits val %s", block.index, result.steps,
@@ -346,18 +363,25 @@ def _train_block(block: Block, block_learners: Sequence[LocalLearner], sources: 
     return result
 
 
-def _block_loop(block: Block, step: BlockStep, sources: dict, opts: TrainOptions, batch: int, device: torch.device,
-                checkpoint: Path, signature: str, offset: tuple[int, float, float], unit_val: list[float],
-                unit_test: list[float], on_epoch_end, desc: str) -> TrainResult:
+def _checkpoint(settings: _Settings, block: Block) -> Path:
+    return settings.checkpoint_dir / f"block{block.index}.pt"
+
+
+def _block_loop(work: _BlockWork, sources: dict, batch: int, settings: _Settings, so_far: NeuroFluxRun,
+                offset: tuple[int, float, float]) -> TrainResult:
     """The block's epochs through the one training loop. Batches are ordered by (seed, block, epoch) and the
     global RNG (dropout, if a model has any) is seeded per block and restored on resume, so a resumed block
-    equals an uninterrupted one. The checkpoint is kept until the block's caches and record are written."""
-    learners, prefix = list(step.model.learners), step.model.prefix
+    equals an uninterrupted one. The checkpoint is kept until the block's caches and record are written.
+    offset: where the block's curve starts (the blocks before it, and measuring this one)."""
+    block, learners, prefix, opts, device = work.block, work.learners, work.prefix, settings.opts, settings.device
+    step = BlockStep.factory(optimizer_factory(opts.model_copy(update={"lr": opts.lr_for(batch)})), settings.context)(
+        LocalBlock(learners, prefix))
+    unit_val, unit_test = so_far.unit_val_acc, so_far.unit_test_acc
 
     def evaluate() -> dict:
         accs = evaluate_exits(learners, sources["val"], batch, device, prefix)
         test_accs = evaluate_exits(learners, sources["test"], batch, device, prefix)
-        log.info("%s block %d: exit val_acc %s", desc, block.index, " ".join(f"{a:.3f}" for a in accs))
+        log.info("%s block %d: exit val_acc %s", settings.desc, block.index, " ".join(f"{a:.3f}" for a in accs))
         # The model at this moment is the best exit so far (earlier blocks' exits included); test accuracy
         # is recorded for time-to-target curves, never used to choose anything.
         best = max(range(len(accs)), key=accs.__getitem__)
@@ -365,37 +389,42 @@ def _block_loop(block: Block, step: BlockStep, sources: dict, opts: TrainOptions
         return {"block": block.index, "val_acc": max(accs[best], unit_val[earlier]),
                 "test_acc": test_accs[best] if accs[best] >= unit_val[earlier] else unit_test[earlier]}
 
+    on_epoch_end = settings.on_epoch_end
+    run = TrainRun(device=device, checkpoint=_checkpoint(settings, block),
+                   signature=run_signature(block=work.signature, batch=batch),
+                   desc=f"{settings.desc} block {block.index} (batch {batch})", keep_checkpoint=True, offset=offset,
+                   on_epoch_end=(lambda epoch, _: on_epoch_end(block.index, epoch)) if on_epoch_end else None)
     seed = opts.seed * 100_003 + block.index * 1009
     return train_loop(step, lambda epoch: Batches(sources["train"], batch, shuffle=True, seed=seed, epoch=epoch),
-                      epochs=opts.epochs, steps_per_epoch=math.ceil(sources["train"].num_samples / batch),
-                      evals_per_epoch=opts.evals_per_epoch, evaluate=evaluate, seed=opts.seed * 100_003 + block.index,
-                      device=device, checkpoint=checkpoint, signature=signature,
-                      desc=f"{desc} block {block.index} (batch {batch})", keep_checkpoint=True, offset=offset,
-                      on_epoch_end=(lambda epoch, _: on_epoch_end(block.index, epoch)) if on_epoch_end else None)
+                      Schedule(opts.epochs, math.ceil(sources["train"].num_samples / batch), opts.evals_per_epoch,
+                               seed=opts.seed * 100_003 + block.index), evaluate, run)
 
 
-def _cache_outputs(learners: Sequence[LocalLearner], sources: dict, batch: int, device: torch.device,
-                   prefix: nn.Module | None, files: _BlockFiles, block_sig: str, cache: CacheOptions,
-                   use_cache: bool) -> dict[str, list[float]]:
+def _cache_writer(work: _BlockWork, split: str, shape: tuple[int, ...], cache: CacheOptions) -> CacheWriter:
+    """The writer of the block's output cache of `split` (per-sample `shape`)."""
+    return CacheWriter(work.files.cache(split), work.signature, shape, storage=cache.storage,
+                       threshold=cache.threshold, shard_samples=cache.samples_per_shard(shape))
+
+
+def _cache_outputs(work: _BlockWork, sources: dict, batch: int, settings: _Settings) -> dict[str, list[float]]:
     """Every unit's exit accuracy per split; with use_cache, the block's outputs written to its caches on the way."""
     accs = {}
-    files.dir.mkdir(parents=True, exist_ok=True)
-    shape = out_shape(learners, sources["train"], prefix)
+    work.files.dir.mkdir(parents=True, exist_ok=True)
+    shape = out_shape(work.learners, sources["train"], work.prefix)
     for split in SPLITS:
-        if use_cache:
-            with CacheWriter(files.cache(split), block_sig, shape, storage=cache.storage, threshold=cache.threshold,
-                             shard_samples=cache.samples_per_shard(shape)) as writer:
-                accs[split] = evaluate_exits(learners, sources[split], batch, device, prefix, writer)
+        if settings.use_cache:
+            with _cache_writer(work, split, shape, settings.cache) as writer:
+                accs[split] = evaluate_exits(work.learners, sources[split], batch, settings.device, work.prefix, writer)
         elif split != "train":
-            accs[split] = evaluate_exits(learners, sources[split], batch, device, prefix)
+            accs[split] = evaluate_exits(work.learners, sources[split], batch, settings.device, work.prefix)
     return accs
 
 
-def _save_block(files: _BlockFiles, block_sig: str, learners: Sequence[LocalLearner], result: BlockResult) -> None:
+def _save_block(work: _BlockWork, result: BlockResult) -> None:
     """Weights first, record last (naming the weights' sha256): a record always describes the weights beside it."""
     buf = io.BytesIO()
-    torch.save([learner.state_dict() for learner in learners], buf)
+    torch.save([learner.state_dict() for learner in work.learners], buf)
     weights = buf.getvalue()
-    atomic_write(files.weights, lambda p: p.write_bytes(weights))
-    write_json(files.record, {"signature": block_sig, "weights_sha256": hashlib.sha256(weights).hexdigest(),
-                              "result": asdict(result)}, checksum=True)
+    atomic_write(work.files.weights, lambda p: p.write_bytes(weights))
+    write_json(work.files.record, {"signature": work.signature, "weights_sha256": hashlib.sha256(weights).hexdigest(),
+                                   "result": asdict(result)}, checksum=True)
