@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 from edgeflux.bittrain.options import BitTrainOptions as BitTrainParams
 from edgeflux.data.options import DataParams
 from edgeflux.errors import UserError
-from edgeflux.finetune import FinetuneOptions, parse_method
+from edgeflux.finetune.options import FinetuneOptions, parse_method
 from edgeflux.memory.options import MemoryOptions
 from edgeflux.models.spec import ModelSpec
 from edgeflux.neuroflux.options import AUX_MODES, CacheOptions as CacheParams

@@ -19,21 +19,7 @@ from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 
-from edgeflux.finetune import parse_method
 from edgeflux.rows import MethodRow
-
-METHOD_LABELS = {"ft_all": "FT-All", "ft_last": "FT-Last", "ft_bn": "FT-BN", "ft_bn_bias": "FT-BN+Bias",
-                 "ft_bias": "FT-Bias (TinyTL-B)", "ft_blocks": "FT-Blocks", "mobiletl": "MobileTL",
-                 "elastic": "ElasticTrainer"}
-
-
-def finetune_label(spec: str, bittrain: bool = False) -> str:
-    """'elastic-mobiletl' -> 'ElasticTrainer on MobileTL'; '-bittrain' (or bittrain on for every method) adds
-    '+ BitTrain'."""
-    method, base, on = parse_method(spec)
-    label = METHOD_LABELS[method] + (f" on {METHOD_LABELS[base]}" if base else "")
-    return label + (" + BitTrain" if on or bittrain else "")
-
 
 def mark_pareto(rows: list[MethodRow]) -> list[MethodRow]:
     """Set `pareto` on the rows that no other row dominates (accuracy at least as high and peak at most as

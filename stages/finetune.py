@@ -23,11 +23,10 @@ from edgeflux.config import ParamsError
 from edgeflux.data import PreparedDataError, load_prepared, tensors
 from edgeflux.data.incoming import add_incoming, load_incoming
 from edgeflux.elastic.plot import plot_selections
-from edgeflux.finetune import METHOD_HELP, finetune, parse_method
+from edgeflux.finetune import METHOD_HELP, finetune, finetune_label, parse_method
 from edgeflux.tracking import stage_run
 from edgeflux.train import resolve_device
 from edgeflux.rows import MethodRow, RowInputs, training_row
-from edgeflux.summary import finetune_label
 from stages.common import peak_rss_bytes, run_stage, stage_parser, write_history_csv, write_metrics
 from stages.registry import MATRIX_ITEM, Stage
 

@@ -80,7 +80,7 @@ def test_composition_names_are_checked_and_labelled():
     import pytest
 
     from edgeflux.finetune import parse_method
-    from edgeflux.summary import finetune_label
+    from edgeflux.finetune import finetune_label
 
     assert parse_method("elastic-mobiletl-bittrain") == ("elastic", "mobiletl", True)
     assert finetune_label("elastic-mobiletl-bittrain") == "ElasticTrainer on MobileTL + BitTrain"

@@ -1,39 +1,4 @@
-"""Fine-tuning a pretrained model on the device: one harness, one ``method`` per run.
-
-    model, _ = load_model("models/pretrained/mobilenet_v2-w0.5.pt")
-    run = finetune(model, "mobiletl", opts, train, val, test, device)    # opts: FinetuneOptions
-    run.metrics()        # test accuracy, measured peak and saved bytes, trainable params, counted FLOPs, step time
-
-A method only decides what trains and how (``METHODS``: model in, ``Prepared`` out); everything else is
-shared, so the methods compare under the same budget: the batch is the largest whose measured step fits
-``budget`` (``edgeflux.backprop.train_under_budget``, the one training loop), BitTrain and fp16 storage
-apply to whatever the method still saves, and the accounting is the same for all.
-
-Methods (the paper's baselines, Table 3, beside MobileTL):
-
-* ``ft_all``: every parameter trains, BatchNorm statistics update.
-* ``ft_last``: the classifier only; the rest frozen (eval mode, no graph).
-* ``ft_bn``: BatchNorm scales and shifts (statistics update) and the classifier.
-* ``ft_bn_bias``: BatchNorm scales and shifts, every conv/linear bias and the classifier (ElasticTrainer's
-  "BN+Bias" baseline, an offline selection).
-* ``ft_bias``: biases only (TinyTL-B): every BatchNorm shift-only (nothing saved, edgeflux.mobiletl.ops),
-  conv/linear biases, and the classifier.
-* ``ft_blocks``: the top ``blocks`` blocks, the last conv and the classifier, vanilla; the bottom frozen.
-* ``mobiletl``: the same top blocks with the MobileTL transform, the bottom frozen in int8
-  (``quantize_bottom``).
-* ``elastic``: ElasticTrainer (edgeflux.elastic): the trainable tensors of ``elastic.base`` (ft_all, or
-  mobiletl's transformed top, ...), of which the ones that fit the time objective ``elastic.rho`` train,
-  re-selected by importance every ``elastic.interval`` epochs. The batch is measured with every tensor
-  training, so whatever is selected stays within the budget.
-
-In every setting the classifier trains; in the block-wise ones the last 1x1 conv (the paper's "feature
-fusion layer") does too.
-
-Compositions are named ``<method>-<modifier>...`` (``parse_method``): ``-bittrain`` turns BitTrain on for
-that run (``bittrain``'s other settings apply), and ``elastic-<base>`` selects among ``<base>``'s tensors
-(ElasticTrainer on a MobileTL model: ``elastic-mobiletl``). ``-`` because no method name has one and DVC
-takes it in a matrix stage's name.
-"""
+"""The fine-tuning methods and their harness (edgeflux.finetune): what each method trains, and one run of it."""
 from __future__ import annotations
 
 import copy
@@ -44,24 +9,24 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode, conv_flop_count
 
 from edgeflux.backprop import BudgetedRun, train_under_budget
 from edgeflux.checkpoint import run_signature
 from edgeflux.data import Images
-from edgeflux.elastic import ElasticController, ElasticOptions, classifier_names, elastic_metrics
+from edgeflux.elastic import ElasticController, classifier_names, elastic_metrics
 from edgeflux.elastic.plot import per_epoch
 from edgeflux.mobiletl import quantize_bottom, replace_module, shift_only, top_start, transform_block
 from edgeflux.models import UnitModel, count_params
 from edgeflux.models.units import freeze, train_mode
-from edgeflux.train import MemoryOptions, TrainOptions, TrainRun
+from edgeflux.train import TrainRun
+
+from .options import METHOD_NAMES, FinetuneOptions, parse_method
 
 log = logging.getLogger(__name__)
 
-__all__ = ["METHODS", "METHOD_NAMES", "FinetuneOptions", "FinetuneRun", "Prepared", "count_flops", "finetune",
-           "method_options", "parse_method",
+__all__ = ["METHODS", "FinetuneRun", "Prepared", "calibration_batches", "count_flops", "finetune", "method_options",
            "prepare"]
 
 
@@ -148,21 +113,7 @@ METHODS: dict[str, Callable[[UnitModel, FinetuneOptions, list[Tensor], torch.dev
     "ft_all": ft_all, "ft_last": ft_last, "ft_bn": ft_bn, "ft_bn_bias": ft_bn_bias, "ft_bias": ft_bias,
     "ft_blocks": ft_blocks, "mobiletl": mobiletl, "elastic": elastic,
 }
-METHOD_NAMES = tuple(METHODS)
-MODIFIERS = ("bittrain",)
-METHOD_HELP = (f"one of {' | '.join(METHOD_NAMES)}, optionally followed by -bittrain (BitTrain on), "
-               "and elastic by -<base> (the method whose tensors it selects among, e.g. elastic-mobiletl)")
-
-
-def parse_method(spec: str) -> tuple[str, str | None, bool]:
-    """(method, elastic base or None, BitTrain on) of a method name such as 'mobiletl-bittrain' or
-    'elastic-mobiletl'; ValueError naming the allowed forms otherwise."""
-    method, *mods = spec.split("-")
-    base = [m for m in mods if m in METHODS and m != "elastic"]
-    unknown = [m for m in mods if m not in MODIFIERS and m not in base]
-    if method not in METHODS or unknown or len(set(mods)) < len(mods) or len(base) > (method == "elastic"):
-        raise ValueError(f"finetune method {spec!r} is unknown: {METHOD_HELP}")
-    return method, (base[0] if base else None), "bittrain" in mods
+assert tuple(METHODS) == METHOD_NAMES, "edgeflux/finetune/options.py names the methods (and labels them)"
 
 
 def method_options(spec: str, opts: FinetuneOptions) -> tuple[str, FinetuneOptions]:
@@ -174,16 +125,6 @@ def method_options(spec: str, opts: FinetuneOptions) -> tuple[str, FinetuneOptio
     if base:
         update["elastic"] = opts.elastic.model_copy(update={"base": base})
     return method, opts.model_copy(update=update)
-
-
-class FinetuneOptions(TrainOptions, MemoryOptions):
-    """The options every fine-tuning method takes (params.yaml's ``finetune`` section, `model` and
-    `methods` aside)."""
-
-    blocks: int = Field(3, ge=1)             # block-wise methods: the top `blocks` blocks train
-    quantize_bottom: bool = True             # mobiletl: the frozen bottom runs in int8
-    calibration_batches: int = Field(8, ge=1)   # target batches (of 32) that calibrate the int8 bottom
-    elastic: ElasticOptions = ElasticOptions()   # elastic: the time objective and how often to re-select
 
 
 def prepare(method: str, model: UnitModel, opts: FinetuneOptions, calibration: list[Tensor],
