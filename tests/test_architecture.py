@@ -60,3 +60,31 @@ def test_a_new_device_preset_sets_every_budgeted_stage(tmp_path):
     sections = [params.train_bp, params.neuroflux, params.finetune, params.meanet]
     assert {(s.device, s.budget, s.max_batch) for s in sections} == {("cpu", 96_000_000, 32)}
     assert params.device.threads == 2 and preset.env() == {"EDGEFLUX_PRESET": "tiny-board"}
+
+
+def test_a_new_finetune_method_is_accepted_run_and_labelled(monkeypatch):
+    """Recipe (a): a function in edgeflux/finetune/methods.py's METHODS and a label in options.py's METHOD_LABELS."""
+    import torch
+
+    from edgeflux.finetune import methods, options
+    from edgeflux.models import build_model
+    from stages.finetune import summary_rows
+
+    def ft_head(model, opts, calibration, device):   # the classifier only, like ft_last
+        return methods.METHODS["ft_last"](model, opts, calibration, device)
+
+    monkeypatch.setitem(methods.METHODS, "ft_head", ft_head)
+    monkeypatch.setitem(options.METHOD_LABELS, "ft_head", "FT-Head")
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    raw["finetune"]["methods"] = ["ft_head", "ft_head-bittrain", "elastic-ft_head"]
+    assert validate(raw).finetune.methods == ["ft_head", "ft_head-bittrain", "elastic-ft_head"]
+
+    model = build_model("mobilenet_v2", width=0.25, num_classes=10, in_channels=1)
+    prepared = methods.prepare("ft_head", model, options.FinetuneOptions(), [], torch.device("cpu"))
+    trainable = [n for n, p in prepared.model.named_parameters() if p.requires_grad]
+    assert trainable and all(n.startswith(f"units.{len(model.units) - 1}.") for n in trainable)
+
+    head = {"budget_mib": 61.0, "peak_mib": 5.0, "test_acc": 0.8, "batch": 64}
+    rows = summary_rows(RowInputs({"finetune/ft_head-bittrain": head}, {"finetune/ft_head-bittrain": {"model": "m"}},
+                                  {}, "mobilenet_v2-w0.25"))
+    assert [r.method for r in rows] == ["FT-Head + BitTrain"]

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-import edgeflux.config  # noqa: F401  loaded: the CLI then validates params here instead of in a child process
 from pipeline import cli
 from edgeflux.presets import set_params
 from pipeline.sandbox import GIT_IDENTITY, git_env, sh
@@ -143,12 +142,22 @@ def test_bad_input_is_one_line_naming_what_is_allowed_and_runs_nothing(project, 
     assert (project / "params.yaml").read_text() == before
 
 
+def test_a_bad_param_is_answered_in_this_process_without_importing_torch(project):
+    """The params schema loads without torch: `edgeflux run` checks params itself, at once, even on a Pi."""
+    code = ("import sys; from pipeline.cli import main; rc = main(['run', '--dry-run', '--set', 'train_bp.epochs=two']); "
+            "print(rc, sorted(m for m in ('torch', 'mlflow', 'prefect') if m in sys.modules))")
+    out = subprocess.run([PYTHON, "-c", code], cwd=project, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.stdout.split("\n")[0] == "2 []", out.stdout + out.stderr
+    assert out.stderr.strip() == "edgeflux run: error: params.yaml + overrides: train_bp.epochs = 'two': Input should be a valid integer"
+
+
 def test_run_writes_params_keeping_comments_runs_the_stage_with_the_preset_env(dvc_project):
     path = dvc_project / "params.yaml"
     before = path.read_text()
     cmd = [PYTHON, "-m", "pipeline.cli", "run", "--preset", "pi4", "--set", "report.target_acc=0.7", "target"]
     bad = subprocess.run(cmd[:-3] + ["--set", "report.target_acc=2"], check=False, capture_output=True, text=True)
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1   # the child process's check, one line
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1   # one line
     assert "params.yaml + overrides: report.target_acc = 2: Input should be less than or equal to 1" in bad.stderr
     done = subprocess.run(cmd, check=False, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
