@@ -35,7 +35,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -46,6 +46,7 @@ from edgeflux.checkpoint import run_signature, tensor_digest
 from edgeflux.memory import BudgetTooSmallError, format_bytes
 from edgeflux.step import StepContext, no_context
 from edgeflux.train import Schedule, TrainOptions, TrainResult, TrainRun, optimizer_factory, train_loop
+from edgeflux.neuroflux.results import BlockResult, NeuroFluxRun
 
 from .aux import LocalLearner
 from .block import BlockStep, LocalBlock, Prefix, evaluate_exits, fit_block_batch, measure_block_peak, out_shape
@@ -58,57 +59,6 @@ __all__ = ["BlockResult", "CacheOptions", "NeuroFluxRun", "evaluate_exits", "fit
            "train_blocks"]
 
 SPLITS = ("train", "val", "test")
-
-
-@dataclass
-class BlockResult:
-    index: int
-    units: list[int]
-    planned_batch: int          # the partitioner's batch (from the profile's linear models)
-    batch_size: int             # the batch trained with: measured block step <= budget
-    peak_bytes: int             # measured peak of one block step at batch_size
-    budget_bytes: int | None
-    epochs: int
-    steps: int
-    train_time_s: float         # training only; caching and measuring are separate
-    cache_time_s: float         # writing this block's output caches (and evaluating its exits on them)
-    measure_time_s: float
-    unit_val_acc: list[float]   # each unit's exit on the validation split (eval mode)
-    unit_test_acc: list[float]
-    cache_bytes: int = 0        # on disk, all splits
-    cpu_s: float = 0.0          # the process's CPU time over the spans of the three times above
-    skipped: bool = False       # reused from an earlier run
-    resumed_from_epoch: int = 0
-    rebuilt_caches: list[str] = field(default_factory=list)
-    history: list[dict] = field(default_factory=list)   # this block's accuracy-vs-time rows
-
-
-@dataclass
-class NeuroFluxRun:
-    blocks: list[BlockResult]
-    history: list[dict]         # rows: step, block, epoch, time_s, train_loss, val_acc, test_acc (best exit so far)
-    unit_val_acc: list[float]
-    unit_test_acc: list[float]
-    complete: bool = True       # False: train_blocks stopped at its time limit with units left untrained
-
-    @property
-    def train_time_s(self) -> float:
-        """Wall-clock cost of training: block training + writing caches + measuring."""
-        return sum(b.train_time_s + b.cache_time_s + b.measure_time_s for b in self.blocks)
-
-    @property
-    def train_cpu_s(self) -> float:
-        """The process's CPU time over the same spans as train_time_s."""
-        return sum(b.cpu_s for b in self.blocks)
-
-    @property
-    def peak_bytes(self) -> int:
-        return max((b.peak_bytes for b in self.blocks), default=0)
-
-    def to_dict(self) -> dict:
-        return {"blocks": [asdict(b) for b in self.blocks], "history": self.history,
-                "unit_val_acc": self.unit_val_acc, "unit_test_acc": self.unit_test_acc, "complete": self.complete,
-                "train_time_s": self.train_time_s, "train_cpu_s": self.train_cpu_s, "peak_bytes": self.peak_bytes}
 
 
 # ----------------------------------------------------------------------------- the controller
