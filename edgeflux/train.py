@@ -14,7 +14,7 @@ measures the same steps (``edgeflux.memory.measure_training_step``). It owns:
 * evaluation points, ``evals_per_epoch`` per epoch, and an accuracy-vs-time history in which time
   counts training only (evaluation excluded), so curves of different methods compare fairly. Each
   row has the wall time (``time_s``) and the process's CPU time (``cpu_s``, every thread): on a
-  machine that other work loads, wall time stretches (70 s became 884 s here) and CPU time barely;
+  machine that other work loads, wall time stretches and CPU time barely;
 * modes: the model trains in ``train_mode`` (modules a method keeps in eval, e.g. frozen BatchNorm,
   stay so) and evaluation restores every submodule's own mode;
 * resume: with ``run.checkpoint`` set (``TrainRun``: what a run carries from its trainer down to the

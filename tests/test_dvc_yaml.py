@@ -108,8 +108,7 @@ def test_a_finetune_stage_depends_on_every_finetune_param_but_the_method_list():
 
 def test_every_stage_depends_on_the_code_it_runs():
     """dvc repro reruns a stage only when a dep changed: code a stage runs, directly or through the library
-    modules it imports, but does not list would leave its outputs stale after a change (as edgeflux/data.py's
-    tensors() once was)."""
+    modules it imports, but does not list would leave its outputs stale after a change."""
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
     lacking = []
     for name, stage in stages.items():
