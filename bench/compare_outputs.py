@@ -3,7 +3,8 @@
     python -m bench.compare_outputs REV_A REV_B            # every JSON value that differs
     python -m bench.compare_outputs REV_A REV_B --peaks    # every measured peak side by side (markdown)
 
-Reads every stage's figures (details/*.json, metrics/*.json before those existed), memory/*.json, profile/memory.json and partition/blocks.json with `git show`, so
+Reads every stage's figures (every details/*.json either revision has, metrics/*.json before those existed),
+memory/*.json, profile/memory.json, partition/blocks.json and reports/summary.json with `git show`, so
 two `dvc repro` runs committed one after the other can be compared without checking either out. Times,
 throughputs and process RSS/USS are left out: they move from run to run.
 """
@@ -16,7 +17,7 @@ import subprocess
 FILES = ("metrics/pretrain.json", "metrics/train_bp.json", "metrics/profile.json", "metrics/partition.json",
          "metrics/train_blocks.json", "metrics/select_exit.json", "memory/train_bp.json", "profile/memory.json",
          "partition/blocks.json")
-TIMING = ("time_s", "seconds", "overhead", "throughput", "rss", "uss", "speedup")
+TIMING = ("time_s", "cpu_s", "seconds", "overhead", "throughput", "per_s", "latency", "rss", "uss", "speedup")
 
 
 def read(rev: str, path: str) -> dict:
@@ -41,10 +42,20 @@ def leaves(x, path: str = ""):
         yield path, x
 
 
+def tracked(rev: str) -> set[str]:
+    """The JSON files of a stage's figures that `rev` holds."""
+    out = subprocess.run(["git", "ls-tree", "-r", "--name-only", rev, "details", "memory"], check=True,
+                         capture_output=True, text=True).stdout.split()
+    return {p for p in out if p.endswith(".json")}
+
+
 def differences(a: str, b: str) -> None:
     same = diff = 0
-    for path in FILES:
-        la, lb = dict(leaves(read(a, path))), dict(leaves(read(b, path)))
+    details = tracked(a) | tracked(b)
+    files = [*FILES, *sorted(details - {f"details/{f.removeprefix('metrics/')}" for f in FILES} - set(FILES)),
+             "reports/summary.json"]
+    for path in files:
+        la, lb = (dict(leaves(_read_or_empty(rev, path))) for rev in (a, b))
         for key in sorted(set(la) | set(lb)):
             if any(t in key.lower() for t in TIMING):
                 continue
@@ -54,6 +65,13 @@ def differences(a: str, b: str) -> None:
                 diff += 1
                 print(f"{path}: {key}: {la.get(key, '(absent)')} -> {lb.get(key, '(absent)')}")
     print(f"{same} values equal, {diff} differ (wall-clock figures left out)")
+
+
+def _read_or_empty(rev: str, path: str) -> dict:
+    try:
+        return read(rev, path)
+    except subprocess.CalledProcessError:   # a stage one revision does not have
+        return {}
 
 
 def peaks(a: str, b: str) -> None:
