@@ -36,6 +36,7 @@ def test_command_is_recorded_as_the_module_it_runs(monkeypatch):
     assert command_line() == "python -c --quick"
 
 
+@pytest.mark.slow   # tens of seconds: make test-fast leaves it out
 def test_memory_baseline_quick_writes_json_and_markdown(tmp_path):
     result = run_bench("memory_baseline", tmp_path, "--quick", "--models", "vgg16", "mobilenet_v2",
                        "--batches", "1", "4", "8")
@@ -129,6 +130,7 @@ def test_neuroflux_quick_compares_three_methods_at_equal_budgets(tmp_path):
     assert combined["combined_from"] == [{"command": result["command"], "machine": result["machine"]}]
 
 
+@pytest.mark.slow   # tens of seconds: make test-fast leaves it out
 def test_prefetch_quick_times_every_reader_on_the_same_batches(tmp_path):
     result = run_bench("prefetch", tmp_path, "--quick")
     rows = result["rows"]

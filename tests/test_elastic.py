@@ -75,6 +75,7 @@ def _batch(n=32, seed=0):
     return torch.randn(n, 1, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
 
 
+@pytest.mark.slow   # tens of seconds: make test-fast leaves it out
 def test_time_model_predicts_measured_backward_times():
     """Generous tolerance: the benchmark reports the error on every model (bench/results/elastic.md)."""
     model, (x, y) = _model(), _batch()
@@ -168,6 +169,7 @@ def test_a_rho_too_small_is_one_line_naming_the_key_and_the_smallest_workable_va
             load_params(tmp_path / "params.yaml")
 
 
+@pytest.mark.slow   # tens of seconds: make test-fast leaves it out
 def test_elastic_finetune_composes_with_mobiletl_and_bittrain(mnist_subset):
     from edgeflux.data import tensors
     data = [tensors(mnist_subset, s, limit=512) for s in ("target_train", "target_val", "target_test")]
@@ -203,6 +205,7 @@ def test_frozen_base_tensors_are_not_candidates():
     assert sorted(controller.names) == sorted(trainable) and len(trainable) < len(list(model.parameters()))
 
 
+@pytest.mark.slow   # tens of seconds: make test-fast leaves it out
 def test_a_resumed_run_keeps_the_selection_and_a_reprofile_keeps_every_candidate(mnist_subset, tmp_path, monkeypatch):
     """interval 2 over 3 epochs: epoch 0 selects, epoch 1 keeps it, epoch 2 re-profiles (profile_interval 2) with
     epoch 0's mask still applied and re-selects. The run is stopped after epoch 0 and resumed from its checkpoint."""

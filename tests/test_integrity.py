@@ -78,6 +78,7 @@ def test_the_neuroflux_model_is_checked(tmp_path):
         load_learners(path)
 
 
+@pytest.mark.slow   # tens of seconds: make test-fast leaves it out
 def test_a_flipped_checkpoint_is_not_resumed(mnist_subset, tmp_path, caplog):
     """A bit flipped in an epoch checkpoint: the run warns and trains from scratch, to the weights of an
     uninterrupted run, instead of resuming damaged state."""

@@ -145,6 +145,7 @@ def routed_setup(mnist_subset):
     return trained_net(mnist_subset)
 
 
+@pytest.mark.slow   # tens of seconds: make test-fast leaves it out
 def test_router_matches_algorithm_2_instance_by_instance(routed_setup, mnist_subset):
     net, hard, (mu_c, mu_w) = routed_setup
     x = tensors(mnist_subset, "target_test")[0][:96]
@@ -184,6 +185,7 @@ def test_a_cloud_that_fails_mid_batch_drops_nothing_and_counts_every_fallback(ro
     assert len(routed.cloud_errors) == len(calls) - 1
 
 
+@pytest.mark.slow   # tens of seconds: make test-fast leaves it out
 def test_edge_training_keeps_the_main_block_fixed_and_needs_less_memory_than_joint(mnist_subset, tmp_path):
     model = small("mobilenet_v2")
     net = build_meanet(model, MEANetSpec(variant="B", n_hard=5), model.build_args)

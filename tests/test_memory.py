@@ -405,6 +405,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
+@pytest.mark.slow   # tens of seconds: make test-fast leaves it out
 def test_retain_freed_heap_stops_page_faults_on_every_step():
     """glibc as it comes hands a training step's large re-allocations fresh pages every step;
     told to keep freed heap memory, steady-state steps fault (almost) no page at all."""

@@ -296,6 +296,7 @@ def test_counted_flops_backward_is_twice_the_forward_for_ft_all():
     assert count_flops(last, prepared.model, x, y)[1] < fwd / 10
 
 
+@pytest.mark.slow   # tens of seconds: make test-fast leaves it out
 def test_finetune_composes_with_bittrain_and_fits_the_budget(mnist_subset):
     from edgeflux.data import tensors
     data = [tensors(mnist_subset, s, limit=256) for s in ("target_train", "target_val", "target_test")]
@@ -310,6 +311,7 @@ def test_finetune_composes_with_bittrain_and_fits_the_budget(mnist_subset):
     assert isinstance(run.run.train.history[-1]["val_acc"], float)
 
 
+@pytest.mark.slow   # tens of seconds: make test-fast leaves it out
 def test_the_stage_refuses_bad_blocks_in_one_line(tmp_path):
     params = (REPO / "params.yaml").read_text().replace("  blocks: 3 ", "  blocks: 99 ")
     assert "blocks: 99" in params

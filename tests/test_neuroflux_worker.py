@@ -298,6 +298,7 @@ def test_weights_that_do_not_match_their_record_are_retrained_not_reused(uninter
     assert_same_learners(result, reference)
 
 
+@pytest.mark.slow   # tens of seconds: make test-fast leaves it out
 def test_classic_local_learning_recomputes_inputs_and_matches_the_cached_run(trained, mnist_subset, tmp_path):
     """Without a cache each block runs the trained units before it on every batch; same inputs, same learning.
     That recomputation costs memory inside the step: the trained units' weights and their forward (no budget
@@ -317,6 +318,7 @@ def test_classic_local_learning_recomputes_inputs_and_matches_the_cached_run(tra
 
 
 @pytest.mark.parametrize("split_rho", [None, 0.4])
+@pytest.mark.slow   # tens of seconds: make test-fast leaves it out
 def test_a_block_too_big_for_the_budget_is_split_not_abandoned(mnist_subset, tmp_path, split_rho):
     """Per-unit profiles ignore the other units' parameters in a block; the measured block step does not."""
     _, learners = build_learners(SPEC, AUX)
@@ -415,6 +417,7 @@ def test_with_bittrain_a_block_batch_peak_is_the_largest_of_several_batches(mnis
     assert dense.saved_bytes == stored["dense_bytes"] + stored["index_dense_bytes"] + labels
 
 
+@pytest.mark.slow   # tens of seconds: make test-fast leaves it out
 def test_the_smallest_budget_the_partitioner_names_trains_every_block(tmp_path, mnist_subset):
     """The partitioner's 'smallest feasible budget' is shown to work: at that exact byte figure, partition
     passes AND train_blocks trains every unit (the line fitted at batches 16..64 underestimates batch 1,
