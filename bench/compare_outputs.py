@@ -49,11 +49,13 @@ def tracked(rev: str) -> set[str]:
     return {p for p in out if p.endswith(".json")}
 
 
-def differences(a: str, b: str) -> None:
+def differences(a: str, b: str, stages: list[str] | None = None) -> None:
     same = diff = 0
     details = tracked(a) | tracked(b)
     files = [*FILES, *sorted(details - {f"details/{f.removeprefix('metrics/')}" for f in FILES} - set(FILES)),
              "reports/summary.json"]
+    if stages:   # the files of these stages only (profile/memory.json: profile's, partition/blocks.json: partition's)
+        files = [f for f in files if any(f"/{s}." in f or f"/{s}/" in f or f.startswith(f"{s}/") for s in stages)]
     for path in files:
         la, lb = (dict(leaves(_read_or_empty(rev, path))) for rev in (a, b))
         for key in sorted(set(la) | set(lb)):
@@ -97,8 +99,9 @@ def main() -> None:
     parser.add_argument("a", help="the earlier revision (e.g. a commit id)")
     parser.add_argument("b", help="the later revision (e.g. HEAD)")
     parser.add_argument("--peaks", action="store_true", help="the measured peaks side by side instead of every change")
+    parser.add_argument("--stages", nargs="+", metavar="STAGE", help="compare these stages' files only")
     args = parser.parse_args()
-    (peaks if args.peaks else differences)(args.a, args.b)
+    peaks(args.a, args.b) if args.peaks else differences(args.a, args.b, args.stages)
 
 
 if __name__ == "__main__":
