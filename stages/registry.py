@@ -93,8 +93,3 @@ def names(side: str | None = None, *, incoming: bool | None = None) -> tuple[str
     """The stage names on one side (cloud | device), or those that read incoming data."""
     return tuple(s.name for s in stages() if (side is None or s.side == side)
                  and (incoming is None or s.incoming == incoming))
-
-
-def budgeted_sections() -> tuple[str, ...]:
-    """The params sections that inherit the device section (budget, max_batch, device, bittrain)."""
-    return tuple(dict.fromkeys(s.section for s in stages() if s.budgeted and s.section))

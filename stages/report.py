@@ -13,11 +13,12 @@ import json
 import sys
 from pathlib import Path
 
+from edgeflux.config import budgeted_sections
 from edgeflux.report import memory_panels, plot_accuracy_vs_time, plot_bar_panels, time_to_target, read_curve
 from edgeflux.rows import MethodRow, RowInputs
 from edgeflux.summary import mark_pareto, plot_pareto, rows_json, summary_markdown
 from stages.common import DETAILS_DIR, METRICS_DIR, run_stage, stage_parser
-from stages.registry import Stage, budgeted_sections, stages
+from stages.registry import Stage, stages
 
 STAGE = Stage(name="report", section="report", side="device",
               outs=("reports/summary.md", "reports/summary.json", "reports/pareto.png",
