@@ -139,7 +139,7 @@ def test_repro_then_noop_then_exp_run(project, first_repro):
     assert "Data and pipelines are up to date" in second.stdout
 
     sh("git add -A && git commit -qm 'first run'", project)
-    exp = sh("dvc exp run -S train_bp.lr=0.01 -S train_bp.bittrain.enabled=true", project)
+    exp = sh("dvc exp run -S train_bp.lr=0.01 -S +train_bp.bittrain.enabled=true", project)  # + adds a key params.yaml lacks
     assert "Running stage 'train_bp'" in exp.stdout and "Running stage 'report'" in exp.stdout
     assert "Running stage 'pretrain'" not in exp.stdout and "Running stage 'prepare'" not in exp.stdout
     assert not any(f"Running stage '{stage}'" in exp.stdout for stage in NEUROFLUX)
