@@ -19,12 +19,16 @@ run: setup
 	dvc repro
 	python -m stages.report --show
 
+# Two workers, a test file each at a time (a module's fixtures, such as the pipeline's one dvc repro, are
+# built once): much of the suite waits on subprocesses and servers, so the second core would idle otherwise.
+PYTEST := python -m pytest -q -n 2 --dist loadfile
+
 test: setup
-	python -m pytest -q
+	$(PYTEST)
 
 # cuda: deselected too, so a GPU machine's run stays as quick (bench/gpu.py runs those tests there)
 test-fast: setup
-	python -m pytest -q -m "not slow and not cuda"
+	$(PYTEST) -m "not slow and not cuda"
 
 setup: $(VENV)/.installed $(DATASET) compiler
 

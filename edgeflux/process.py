@@ -90,6 +90,19 @@ def start_group(command: list[str], **popen_kwargs) -> subprocess.Popen:
                             **popen_kwargs)
 
 
+def run_group(command: list[str] | str, timeout_s: float, **popen_kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run(capture_output=True, text=True) in a process group of its own. On a timeout the whole
+    group is stopped before TimeoutExpired is raised: subprocess.run kills only its child, and a shell's or
+    dvc's children would go on (holding DVC's lock, say)."""
+    process = start_group(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen_kwargs)
+    try:
+        out, err = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        stop_group(process, grace_s=10.0)
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
 def signal_group(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)

@@ -11,6 +11,11 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 # per server and each importing mlflow, take CPU from the stages under test. tests/test_servers_cli.py
 # starts the cloud's servers as shipped, runner included.
 os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
+# Under pytest-xdist (make test runs two workers) each worker, and what it starts, computes on its share of
+# the cores: two processes each running a thread per core would contend for them.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 
 
 @pytest.fixture(autouse=True)

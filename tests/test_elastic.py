@@ -4,7 +4,6 @@ the classifier always in, one-line errors for an impossible objective)."""
 import copy
 import itertools
 import random
-import statistics
 from pathlib import Path
 
 import pytest
@@ -75,29 +74,35 @@ def _batch(n=32, seed=0):
     return torch.randn(n, 1, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
 
 
-@pytest.mark.slow   # tens of seconds: make test-fast leaves it out
-def test_time_model_predicts_measured_backward_times():
-    """Generous tolerance: the benchmark reports the error on every model (bench/results/elastic.md)."""
+def test_the_time_model_is_profiled_per_tensor_and_validated_against_measured_selections():
+    """The mechanics, not this machine's speed: how well predictions match measured times is the benchmark's
+    figure (bench/results/elastic.md), since any time measured here moves with what else the machine runs."""
     model, (x, y) = _model(), _batch()
     before = copy.deepcopy(model.state_dict())
-    timing = profile_tensors(model, x, y, repeats=3)
+    timing = profile_tensors(model, x, y, repeats=1)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())      # profiling only looks
     assert all(p.requires_grad for p in model.parameters())
     n = len(timing.names)
     assert n == len(list(model.parameters())) and timing.names[0] == "units.0.0.weight"
-    rows = validate_time_model(model, timing, random_selections(n, 8, seed=1, always=[n - 2, n - 1]), x, y, repeats=3)
-    assert statistics.mean(abs(r["error"]) for r in rows) < 0.5      # the benchmark measured 3-15%
+    assert len(timing.t_dw) == len(timing.t_dy) == n and min(timing.t_dw) >= 0 and timing.t_backward > 0
     # a BatchNorm's backward goes to its shift (the paper's Section 5.2): its scale passes nothing
     norms = {n for n, m in model.named_modules() if isinstance(m, nn.BatchNorm2d)}
     for k, name in enumerate(timing.names):
         module, kind = name.rsplit(".", 1)
         if module in norms:
             assert (timing.t_dy[k] > 0) == (kind == "bias"), name
-    convs = [k for k, name in enumerate(timing.names) if "conv" in name]
-    # kernels: the input gradient is a node's own time (run B); the weight gradient a difference of two runs,
-    # which the machine's noise can bring to 0 on a small conv, so it is checked in sum
-    assert all(timing.t_dy[k] > 0 for k in convs)
-    assert sum(timing.t_dw[k] for k in convs) > 0.2 * timing.t_backward
+    assert all(timing.t_dy[k] > 0 for k, name in enumerate(timing.names) if "conv" in name)
+    # each selection: the prediction is the model's cost of that mask (head + chosen t_dw + t_dy above the deepest
+    # chosen tensor), the measurement a positive time, the error their relative difference
+    masks = random_selections(n, 4, seed=1, always=[n - 2, n - 1])
+    rows = validate_time_model(model, timing, masks, x, y, repeats=1, warmup=0)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    for mask, row in zip(masks, rows, strict=True):
+        deepest = mask.index(True)
+        cost = timing.t_head + sum(timing.t_dw[k] for k in range(n) if mask[k]) + sum(timing.t_dy[deepest + 1:])
+        assert row["predicted_s"] == pytest.approx(cost, rel=1e-12) and row["measured_s"] > 0
+        assert row["error"] == pytest.approx((row["predicted_s"] - row["measured_s"]) / row["measured_s"])
+        assert (row["selected"], row["deepest"]) == (sum(mask), deepest)
 
 
 def test_unselected_tensors_get_no_gradient_and_nothing_runs_below_the_deepest():

@@ -12,6 +12,7 @@ import psutil
 import pytest
 import yaml
 
+from edgeflux.process import run_group
 from pipeline.sandbox import quick_params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,7 +27,7 @@ def sh(cmd, cwd, check=True):
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # stages use the project's mlflow.db
     env = {**env, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
            "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
-    out = subprocess.run(cmd, cwd=cwd, shell=True, env=env, capture_output=True, text=True, timeout=600)
+    out = run_group(cmd, 900, cwd=cwd, shell=True, env=env)   # a timeout stops dvc and its stage, not just the shell
     if check and out.returncode != 0:
         raise AssertionError(f"{cmd} failed ({out.returncode}):\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
     return out

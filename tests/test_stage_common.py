@@ -249,3 +249,15 @@ def test_a_missing_gpu_is_one_line(monkeypatch, capsys, tmp_path):
     code = _run_stage_in_process(monkeypatch, tmp_path, lambda args, params: resolve_device("cuda"))
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err and "set device: cpu (or auto)" in err
+
+
+def test_run_group_stops_a_shells_children_on_a_timeout(tmp_path):
+    """What the end-to-end tests run dvc with: subprocess.run's timeout would kill the shell and leave its
+    child (dvc, holding the repository's lock) running."""
+    from edgeflux.process import run_group
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_group("sleep 300 & echo $! > child; wait", 2, shell=True, cwd=tmp_path)
+    child = int((tmp_path / "child").read_text())
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+    done = run_group([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"], 60)
+    assert (done.returncode, done.stdout, done.stderr) == (3, "out\n", "err\n")
