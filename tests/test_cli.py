@@ -196,6 +196,52 @@ def test_exp_runs_a_dvc_experiment_with_the_overrides(dvc_project, capsys):
     assert exps["e1"]["device"]["budget"] == "200MB"   # the one key every budgeted stage inherits
 
 
+def test_an_unknown_stage_is_refused_before_params_change(dvc_project, capsys):
+    before = (dvc_project / "params.yaml").read_text()
+    rc, out, err = run_cli(capsys, "run", "--budget", "12MB", "monkeys")
+    assert rc == 2 and "$ dvc" not in out and len(err.strip().splitlines()) == 1, err
+    assert "no stage 'monkeys' in dvc.yaml; stages: target, other, wait, fail" in err
+    assert (dvc_project / "params.yaml").read_text() == before
+
+
+def test_stage_names_are_the_ones_dvc_takes_with_matrix_instances_from_params():
+    from pipeline.cli.run import stage_names
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    names = stage_names(yaml.safe_load((REPO / "dvc.yaml").read_text()), params)
+    listed = sh("dvc stage list --name-only", REPO).stdout.split()
+    assert set(listed) <= set(names) and set(names) - set(listed) == {"finetune"}   # the matrix's group name too
+    assert [n for n in names if n.startswith("finetune@")] == [f"finetune@{m}" for m in params["finetune"]["methods"]]
+
+
+def test_a_failed_run_leaves_params_as_it_found_them(dvc_project, capsys):
+    before = (dvc_project / "params.yaml").read_text()
+    rc, out, _ = run_cli(capsys, "run", "--set", "report.target_acc=0.5", "fail")
+    assert rc != 0 and "params.yaml: restored as it was" in out
+    assert (dvc_project / "params.yaml").read_text() == before
+
+
+def test_run_leaves_params_alone_while_a_repro_holds_the_repository(dvc_project, capsys):
+    """A running repro's stages read params.yaml and its dvc.lock records it: changing it then would record
+    params the outputs were not made with."""
+    before = (dvc_project / "params.yaml").read_text()
+    repro = subprocess.Popen([str(Path(sys.executable).parent / "dvc"), "repro", "wait"], cwd=dvc_project,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        rwlock = dvc_project / ".dvc/tmp/rwlock"
+        deadline = time.monotonic() + 60
+        while not (rwlock.exists() and "wait.txt" in rwlock.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        rc, out, err = run_cli(capsys, "run", "--set", "report.target_acc=0.6", "target")
+        assert rc == 2 and "$ dvc" not in out and len(err.strip().splitlines()) == 1, err
+        assert re.search(r"dvc repro wait \(pid \d+\) is running in this repository: wait for it to end", err), err
+        assert (dvc_project / "params.yaml").read_text() == before
+    finally:
+        (dvc_project / "go").touch()
+        assert repro.wait(timeout=60) == 0
+    rc, out, err = run_cli(capsys, "run", "--set", "report.target_acc=0.6", "target")   # free again
+    assert rc == 0 and (dvc_project / "target.txt").read_text().startswith("0.6 "), err
+
+
 # --- status -------------------------------------------------------------------------------------------
 
 def test_status_cached_stale_and_running_from_dvc_and_mlflow(dvc_project, tmp_path, capsys):

@@ -3,6 +3,7 @@ the same as a DVC experiment (`dvc exp run -S`)."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import shlex
@@ -164,6 +165,64 @@ def show_summary(args: argparse.Namespace) -> None:
     print("compare with earlier runs: edgeflux compare" + ("; DVC's view: dvc exp show" if args.exp else ""))
 
 
+def _resolve(value: Any, params: dict) -> Any:
+    """dvc.yaml's `${a.b}` (a whole-value reference into params), or the value itself."""
+    if isinstance(value, str) and (ref := re.fullmatch(r"\$\{\s*([\w.-]+)\s*\}", value)):
+        found = _lookup(params, ref.group(1))
+        return [] if found is _MISSING else found
+    return value
+
+
+def stage_names(dvc_yaml: dict, params: dict) -> list[str]:
+    """Every name `dvc repro` takes for dvc.yaml's stages: a stage's, and for foreach and matrix stages each
+    instance's too (name@item, name@key, name@value1-value2, as DVC names them), from ``params``."""
+    names = []
+    for name, stage in (dvc_yaml.get("stages") or {}).items():
+        names.append(name)
+        if "foreach" in stage:
+            items = _resolve(stage["foreach"], params)
+            names += [f"{name}@{item}" for item in (items if isinstance(items, (list, dict)) else [])]
+        elif "matrix" in stage:
+            axes = [_resolve(values, params) for values in stage["matrix"].values()]
+            names += [f"{name}@{'-'.join(map(str, combo))}" for combo in itertools.product(*axes)]
+    return names
+
+
+def check_targets(targets: list[str], params: dict) -> None:
+    """A target DVC would not know is refused before params.yaml changes (DVC's own addresses, such as
+    dvc.yaml:stage or a .dvc file, are left to it)."""
+    known = stage_names(yaml.safe_load(Path("dvc.yaml").read_text()) or {}, params) if Path("dvc.yaml").is_file() else []
+    for target in targets:
+        if target not in known and ":" not in target and not target.endswith((".dvc", "dvc.yaml")):
+            raise UsageError(f"no stage {target!r} in dvc.yaml; stages: {', '.join(known)}")
+
+
+def repro_holder() -> str | None:
+    """'dvc repro (pid N)' when a live DVC process holds a lock on this repository's outputs (DVC's
+    .dvc/tmp/rwlock), else None."""
+    import psutil
+
+    path = Path(".dvc/tmp/rwlock")
+    try:
+        lock = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, json.JSONDecodeError):
+        return None
+    infos = [*lock.get("write", {}).values(), *(i for infos in lock.get("read", {}).values() for i in infos)]
+    live = [i for i in infos if isinstance(i, dict) and psutil.pid_exists(i.get("pid", -1))]
+    if not live:
+        return None
+    program, _, rest = str(live[0].get("cmd", "dvc")).partition(" ")
+    return f"{Path(program).name} {rest} (pid {live[0]['pid']})".replace("  ", " ")
+
+
+def _restore(original: str) -> None:
+    if PARAMS.read_text() != original:
+        from edgeflux.artifacts import atomic_write
+
+        atomic_write(PARAMS, lambda p: p.write_text(original))
+        print("params.yaml: restored as it was before this run (the run did not succeed)")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     if args.temp and not args.exp:
         raise UsageError("--temp needs --exp NAME (it runs the experiment in a temporary copy)")
@@ -176,16 +235,27 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_params(merge(params, overrides))    # before anything runs or params.yaml changes
     if not args.targets and preset and preset.stages:
         args.targets = list(preset.stages)
+    check_targets(args.targets, merge(params, overrides))
     command = run_command(args, params, overrides)
     env = preset.env() if preset else {}      # threads; EDGEFLUX_PRESET tags the MLflow runs
+    # params.yaml is what a running repro's stages read and what its dvc.lock records: leave it alone then
+    if not args.dry_run and not (args.exp and args.temp) and (holder := repro_holder()):
+        raise UsageError(f"{holder} is running in this repository: wait for it to end (edgeflux status shows it), "
+                         "then run again; or run as an experiment in a copy with --exp NAME --temp")
     print_plan(args, preset, sourced, env, command)
     if args.dry_run:
         return 0
+    original = PARAMS.read_text()
     if not args.exp:
         set_params(overrides, PARAMS)
     from edgeflux.environ import venv_env   # offline, the venv's dvc and python first on PATH
 
-    rc = call(command, venv_env(env))
+    rc = 1
+    try:
+        rc = call(command, venv_env(env))
+    finally:   # a refused or failed run leaves params.yaml as it found it
+        if rc != 0 and not args.exp:
+            _restore(original)
     if rc == 0:
         show_summary(args)
     return rc
