@@ -5,6 +5,7 @@ server/worker commands.
 The DVC tests use a tiny project: a git + DVC repo holding the real params.yaml and presets/ (so edgeflux's own
 validation applies) and stages that only write what they read (a param, the environment).
 """
+import contextlib
 import json
 import os
 import re
@@ -57,6 +58,22 @@ def dvc_project(project, monkeypatch):
     for key, value in GIT_IDENTITY.items():   # `dvc exp run` commits the experiment
         monkeypatch.setenv(key, value)
     return project
+
+
+@contextlib.contextmanager
+def repro_holding_locks(project: Path):
+    """`dvc repro wait` running, its locks in .dvc/tmp/rwlock, until the block ends (then it finishes)."""
+    repro = subprocess.Popen([str(Path(sys.executable).parent / "dvc"), "repro", "wait"], cwd=project,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        rwlock = project / ".dvc/tmp/rwlock"
+        deadline = time.monotonic() + 60
+        while not (rwlock.exists() and "wait.txt" in rwlock.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        yield repro
+    finally:
+        (project / "go").touch()
+        assert repro.wait(timeout=60) == 0
 
 
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
@@ -224,20 +241,11 @@ def test_run_leaves_params_alone_while_a_repro_holds_the_repository(dvc_project,
     """A running repro's stages read params.yaml and its dvc.lock records it: changing it then would record
     params the outputs were not made with."""
     before = (dvc_project / "params.yaml").read_text()
-    repro = subprocess.Popen([str(Path(sys.executable).parent / "dvc"), "repro", "wait"], cwd=dvc_project,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        rwlock = dvc_project / ".dvc/tmp/rwlock"
-        deadline = time.monotonic() + 60
-        while not (rwlock.exists() and "wait.txt" in rwlock.read_text()) and time.monotonic() < deadline:
-            time.sleep(0.1)
+    with repro_holding_locks(dvc_project):
         rc, out, err = run_cli(capsys, "run", "--set", "report.target_acc=0.6", "target")
         assert rc == 2 and "$ dvc" not in out and len(err.strip().splitlines()) == 1, err
         assert re.search(r"dvc repro wait \(pid \d+\) is running in this repository: wait for it to end", err), err
         assert (dvc_project / "params.yaml").read_text() == before
-    finally:
-        (dvc_project / "go").touch()
-        assert repro.wait(timeout=60) == 0
     rc, out, err = run_cli(capsys, "run", "--set", "report.target_acc=0.6", "target")   # free again
     assert rc == 0 and (dvc_project / "target.txt").read_text().startswith("0.6 "), err
 
@@ -279,22 +287,13 @@ def test_status_cached_stale_and_running_from_dvc_and_mlflow(dvc_project, tmp_pa
 
 
 def test_status_while_dvc_repro_holds_its_locks(dvc_project, capsys):
-    repro = subprocess.Popen([str(Path(sys.executable).parent / "dvc"), "repro", "wait"], cwd=dvc_project, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
-    try:
-        rwlock = dvc_project / ".dvc/tmp/rwlock"
-        deadline = time.monotonic() + 60
-        while not (rwlock.exists() and "wait.txt" in rwlock.read_text()) and time.monotonic() < deadline:
-            time.sleep(0.1)
+    with repro_holding_locks(dvc_project):
         rc, out, err = run_cli(capsys, "status", "--json", "--tracking-uri", "sqlite:////nonexistent/mlflow.db")
         report = json.loads(out)
         states = {row["stage"]: row["state"] for row in report["stages"]}
         assert rc == 0 and report["dvc_busy"] == ["wait"], err
         assert re.fullmatch(r"dvc repro wait \(pid \d+\)", report["dvc_lock_holder"])
         assert states == {"target": "never run", "other": "never run", "wait": "locked", "fail": "never run"}
-    finally:
-        (dvc_project / "go").touch()
-        assert repro.wait(timeout=60) == 0
 
 
 # --- compare ------------------------------------------------------------------------------------------
