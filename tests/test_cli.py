@@ -306,6 +306,33 @@ RUNS = {   # pipeline id: (preset, DVC experiment, {stage: headline})
 }
 
 
+@pytest.mark.parametrize("command", ["status", "compare"])
+def test_an_mlflow_server_that_does_not_answer_is_one_line_naming_it(dvc_project, capsys, command):
+    from edgeflux.service import free_port
+    uri = f"http://127.0.0.1:{free_port()}"   # nothing listens there
+    rc, out, err = run_cli(capsys, command, "--tracking-uri", uri)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(f"edgeflux {command}: error: cannot reach MLflow at {uri} (ConnectError"), err
+    assert "edgeflux servers" in err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--metric", "["], "--metric '[': an unclosed [; patterns are shell-style"),
+    (["--metric", "*.acc"], "--metric *.acc: no metric of these runs matches; they carry train_bp.batch, "
+                            "train_bp.test_acc"),
+    (["--plot", "/proc/x.png"], "--plot /proc/x.png: cannot write it ("),
+])
+def test_compare_answers_a_bad_pattern_or_plot_path_in_one_line(monkeypatch, capsys, argv, expected):
+    from edgeflux.tracking import stage_run
+    monkeypatch.setenv("EDGEFLUX_PIPELINE_ID", "p1")
+    with stage_run("train_bp") as run:   # in the test's own sqlite store (conftest)
+        run.log_headline({"test_acc": 0.8, "batch": 16})
+    capsys.readouterr()
+    rc, out, err = run_cli(capsys, "compare", *argv)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("edgeflux compare: error: " + expected), err
+
+
 @pytest.mark.slow   # an MLflow server
 def test_compare_reads_pipeline_runs_from_an_mlflow_server(tmp_path, monkeypatch, capsys):
     from edgeflux.tracking import stage_run

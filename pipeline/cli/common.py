@@ -40,12 +40,26 @@ def local_time(iso: str | None) -> str:
 
 
 def mlflow_client(uri: str):
+    """MLflow's client for ``uri``; a server that does not answer is a UsageError naming it (one line, no
+    retries for minutes and no traceback)."""
+    if uri.startswith(("http://", "https://")):
+        _check_reachable(uri)
     # a CLI should not retry an unreachable server for minutes (MLflow's defaults): a few tries, then say so
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
     from mlflow.tracking import MlflowClient
 
     return MlflowClient(uri)
+
+
+def _check_reachable(uri: str) -> None:
+    import httpx
+
+    try:   # any answer will do: the client's own requests say what is wrong beyond that
+        httpx.get(uri.rstrip("/") + "/health", timeout=10.0)
+    except httpx.HTTPError as exc:
+        raise UsageError(f"cannot reach MLflow at {uri} ({type(exc).__name__}: {exc}): start it (edgeflux servers "
+                         "on the cloud host) or give the right --tracking-uri / MLFLOW_TRACKING_URI") from None
 
 
 def store_missing(uri: str) -> bool:

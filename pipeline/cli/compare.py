@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
+import re
 from pathlib import Path
 
 from .common import RAW, UsageError, local_time, mlflow_client, run_info, store_missing, tracking_uri_flag, wrap
@@ -111,16 +112,43 @@ def plot_compare(data: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def check_patterns(patterns: list[str]) -> None:
+    """fnmatch reads an unclosed [ as a literal character, which no metric name holds: say so instead."""
+    for pattern in patterns:
+        if re.search(r"\[(?![^\]]*\])", pattern):
+            raise UsageError(f"--metric {pattern!r}: an unclosed [; patterns are shell-style: * any text, "
+                             "? one character, [abc] one of, e.g. '*.test_acc'")
+
+
+def check_matched(runs: list, data: dict) -> None:
+    """A pattern that matches none of the metrics the runs carry is a mistake to name, not an empty table."""
+    carried = sorted({k for run in runs for k in run.data.metrics})
+    if carried and not data["table"]:
+        shown = ", ".join(carried[:8]) + (", ..." if len(carried) > 8 else "")
+        raise UsageError(f"--metric {' '.join(data['patterns'])}: no metric of these runs matches; they carry {shown}")
+
+
+def write_plot(data: dict, path: Path) -> None:
+    try:
+        plot_compare(data, path)
+    except OSError as exc:
+        raise UsageError(f"--plot {path}: cannot write it ({exc.strerror or exc}); give a writable path, "
+                         "or --no-plot") from None
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     from edgeflux.tracking import tracking_uri
 
     if args.last < 1:
         raise UsageError(f"--last {args.last}: give 1 or more runs")
+    patterns = args.metric or list(DEFAULT_METRICS)
+    check_patterns(patterns)
     uri = args.tracking_uri or tracking_uri()
-    data = compare_data(pipeline_runs(uri, args.last), args.metric or list(DEFAULT_METRICS))
-    data |= {"tracking_uri": uri, "patterns": args.metric or list(DEFAULT_METRICS), "plot": None}
+    runs = pipeline_runs(uri, args.last)
+    data = compare_data(runs, patterns) | {"tracking_uri": uri, "patterns": patterns, "plot": None}
+    check_matched(runs, data)
     if data["table"] and not args.no_plot:
-        plot_compare(data, Path(args.plot))
+        write_plot(data, Path(args.plot))
         data["plot"] = str(args.plot)
     if args.json:
         print(json.dumps(data, indent=2))
