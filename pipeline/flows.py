@@ -212,7 +212,11 @@ def incoming_files() -> list[str]:
 
 @task(task_run_name="dvc add new labelled data")
 def track_new_data() -> list[str]:
-    """Version each class folder of data/incoming that is new or changed since its last `dvc add`."""
+    """Version each class folder of data/incoming that is new or changed since its last `dvc add`; a symbolic
+    link anywhere under it stops the flow first (nothing added, nothing pushed)."""
+    from edgeflux.data.inbox import refuse_links
+
+    refuse_links(INCOMING)
     changed = []
     for folder in sorted(p for p in Path(INCOMING).iterdir() if p.is_dir() and not p.name.startswith(".")):
         dvc_file = folder.with_name(folder.name + ".dvc")

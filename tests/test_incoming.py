@@ -105,3 +105,48 @@ def test_find_incoming_skips_hidden_entries_and_non_images(tmp_path):
     (tmp_path / "2" / "labels.csv").write_text("x\n")
     assert [(p.relative_to(tmp_path).as_posix(), c) for p, c in find_incoming(tmp_path, 10)] == [
         ("2/a.PNG", 2), ("2/b.jpg", 2), ("2/sub/c.bmp", 2)]
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG that says it is width x height (8-bit RGB) and holds no pixel data: what PIL reads first."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + chunk(b"IEND", b"")
+
+
+@pytest.mark.parametrize("width, height", [(20_000, 20_000), (8_000, 7_000)])   # PIL's own bomb error; ours
+def test_an_image_over_the_pixel_limit_is_refused_before_it_is_decoded(mnist_subset, tmp_path, width, height):
+    path = tmp_path / "incoming/3/huge.png"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(png_header(width, height))
+    with pytest.raises(IncomingDataError, match=r"incoming/3/huge.png .*over the 48-megapixel limit for one "
+                                                r"incoming image.*; downscale it, then version it again") as err:
+        load_incoming(tmp_path / "incoming", mnist_subset)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("link", ["file", "folder", "nested"])
+def test_a_symbolic_link_under_incoming_is_refused_before_anything_reads_or_versions_it(mnist_subset, tmp_path,
+                                                                                       monkeypatch, link):
+    """A linked file would put a host file (/etc/passwd) into DVC's cache and the shared remote; a linked folder
+    would train on data DVC does not version. The retrain flow checks before `dvc add`."""
+    from pipeline.flows import track_new_data
+
+    outside = tmp_path / "outside"
+    write_png(outside / "a.png", mnist_subset.images[0])
+    incoming = tmp_path / "data/incoming"
+    write_png(incoming / "3/ok.png", mnist_subset.images[1])
+    where = {"file": incoming / "3/passwd.png", "folder": incoming / "5", "nested": incoming / "3/more"}[link]
+    where.symlink_to(outside / "a.png" if link == "file" else outside)
+    with pytest.raises(IncomingDataError, match=rf"{where} is a symbolic link \(to {outside}.*\): incoming data is "
+                                                r"regular files inside .* only; copy the files in instead"):
+        load_incoming(incoming, mnist_subset)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(IncomingDataError, match="is a symbolic link"):
+        track_new_data.fn()
+    assert not list(incoming.glob("*.dvc"))   # nothing versioned, so nothing to push
+    where.unlink()
+    assert len(load_incoming(incoming, mnist_subset)) == 1

@@ -17,16 +17,17 @@ import torch
 
 from edgeflux.data.feed import Images
 from edgeflux.data.images import convert_into, decode_files
+from edgeflux.data.inbox import READD as _READD
+from edgeflux.data.inbox import IncomingDataError, refuse_links
 from edgeflux.data.store import PreparedData
-from edgeflux.errors import UserError
 
 log = logging.getLogger(__name__)
 
-_READD = "then version it again: `dvc add data/incoming/<class id>`"
+__all__ = ["MAX_INCOMING_PIXELS", "Incoming", "IncomingDataError", "add_incoming", "find_incoming", "load_incoming"]
 
-
-class IncomingDataError(ValueError, UserError):
-    """The incoming samples do not follow their layout (the message names the file or folder and the fix)."""
+# The most pixels one incoming image may have (a 48-megapixel phone photo: 138 MiB decoded as RGB). Its size
+# is read from the header before anything is decoded, so a decompression bomb costs nothing.
+MAX_INCOMING_PIXELS = 48_000_000
 
 
 @dataclass
@@ -50,6 +51,7 @@ def find_incoming(root: str | Path, n_classes: int) -> list[tuple[Path, int]]:
     root = Path(root)
     if not root.is_dir():
         return []
+    refuse_links(root)
     samples = []
     for entry in sorted(p for p in root.iterdir() if not p.name.startswith(".")):
         if entry.is_dir():
@@ -107,7 +109,9 @@ def _is_image(path: Path, under: Path) -> bool:
 
 
 def _decode(path: Path) -> torch.Tensor:
-    """One image file as uint8 [1, 3, H, W]; IncomingDataError naming the file if it does not decode."""
+    """One image file as uint8 [1, 3, H, W]; IncomingDataError naming the file if it does not decode or is
+    larger than MAX_INCOMING_PIXELS."""
+    _check_pixels(path)
     try:
         return decode_files([str(path)])
     except (OSError, SyntaxError, ValueError) as e:  # PIL: UnidentifiedImageError, truncated, broken PNG chunks
@@ -115,3 +119,19 @@ def _decode(path: Path) -> torch.Tensor:
 
         reason = "no image format PIL reads" if isinstance(e, UnidentifiedImageError) else str(e)
         raise IncomingDataError(f"{path} is not a readable image ({reason}); replace or delete it, {_READD}") from None
+
+
+def _check_pixels(path: Path) -> None:
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:   # reads the header only
+            width, height = image.size
+    except Image.DecompressionBombError as e:   # PIL's own limit, which is above ours
+        raise IncomingDataError(f"{path} is over the {MAX_INCOMING_PIXELS / 1e6:g}-megapixel limit for one "
+                                f"incoming image ({e}); downscale it, {_READD}") from None
+    except (OSError, SyntaxError, ValueError):   # not an image PIL reads: decoding names the reason
+        return
+    if width * height > MAX_INCOMING_PIXELS:
+        raise IncomingDataError(f"{path} is {width}x{height} pixels, over the {MAX_INCOMING_PIXELS / 1e6:g}-megapixel "
+                                f"limit for one incoming image; downscale it, {_READD}")
