@@ -316,6 +316,30 @@ def test_an_mlflow_server_that_does_not_answer_is_one_line_naming_it(dvc_project
     assert "edgeflux servers" in err
 
 
+def test_compare_takes_finished_runs_unless_asked_and_status_names_the_last_finished(dvc_project, monkeypatch, capsys):
+    """Two failed attempts after a good run: compare's window still holds the good run, and status shows the
+    failed one as failed, beside the last one that finished."""
+    from edgeflux.tracking import stage_run
+    for pid, fails in (("good", False), ("bad-1", True), ("bad-2", True)):
+        monkeypatch.setenv("EDGEFLUX_PIPELINE_ID", pid)
+        with contextlib.suppress(RuntimeError), stage_run("train_bp") as run:
+            if fails:
+                raise RuntimeError("a bad param")
+            run.log_headline({"test_acc": 0.8})
+        time.sleep(0.01)   # distinct start times
+    capsys.readouterr()
+    rc, out, err = run_cli(capsys, "compare", "--last", "2", "--json", "--no-plot")
+    assert rc == 0, err
+    assert [(r["status"], r["metrics"]) for r in json.loads(out)["runs"]] == [("FINISHED", {"train_bp.test_acc": 0.8})]
+    rc, out, err = run_cli(capsys, "compare", "--last", "2", "--json", "--no-plot", "--include-failed")
+    assert [r["status"] for r in json.loads(out)["runs"]] == ["FAILED", "FAILED"]
+    rc, out, err = run_cli(capsys, "status", "--json")
+    tracked = json.loads(out)["mlflow"]
+    assert tracked["last_pipeline"]["status"] == "FAILED" and tracked["last_finished_pipeline"]["status"] == "FINISHED"
+    rc, out, err = run_cli(capsys, "status")
+    assert re.search(r"last pipeline run: [^()]* FAILED \(.*\) last finished run: [^()]* FINISHED", " ".join(out.split()))
+
+
 @pytest.mark.parametrize("argv, expected", [
     (["--metric", "["], "--metric '[': an unclosed [; patterns are shell-style"),
     (["--metric", "*.acc"], "--metric *.acc: no metric of these runs matches; they carry train_bp.batch, "

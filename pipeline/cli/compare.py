@@ -12,8 +12,9 @@ from .common import RAW, UsageError, local_time, mlflow_client, run_info, store_
 DEFAULT_METRICS = ("*.test_acc", "*.peak_mib", "*.train_cpu_s")
 
 
-def pipeline_runs(uri: str, last: int) -> list:
-    """The newest ``last`` parent runs (tag edgeflux.kind = pipeline) of edgeflux's experiment."""
+def pipeline_runs(uri: str, last: int, include_failed: bool = False) -> list:
+    """The newest ``last`` parent runs (tag edgeflux.kind = pipeline) of edgeflux's experiment: finished ones,
+    or with ``include_failed`` also those that failed, were killed or still run."""
     from edgeflux.tracking import EXPERIMENT
 
     if store_missing(uri):
@@ -22,7 +23,8 @@ def pipeline_runs(uri: str, last: int) -> list:
     experiment = client.get_experiment_by_name(EXPERIMENT)
     if experiment is None:
         return []
-    return client.search_runs([experiment.experiment_id], "tags.`edgeflux.kind` = 'pipeline'", max_results=last,
+    query = "tags.`edgeflux.kind` = 'pipeline'" + ("" if include_failed else " and attributes.status = 'FINISHED'")
+    return client.search_runs([experiment.experiment_id], query, max_results=last,
                               order_by=["attributes.start_time DESC"])
 
 
@@ -74,9 +76,8 @@ def print_compare(data: dict) -> None:
             table.add_row(stage, *map(_fmt, values))
         console.print(table)
     if not data["table"]:
-        console.print(f"no metric matches {', '.join(data['patterns'])}: a parent run carries its stages' headline "
-                      "metrics as <stage>.<name> (StageRun.log_headline); runs older than that carry none",
-                      highlight=False)
+        console.print(f"no metric matches {', '.join(data['patterns'])}: these runs carry no headline metrics "
+                      "(<stage>.<name>, which each stage logs to its pipeline run when it succeeds)", highlight=False)
 
 
 def plot_compare(data: dict, path: Path) -> None:
@@ -144,7 +145,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     patterns = args.metric or list(DEFAULT_METRICS)
     check_patterns(patterns)
     uri = args.tracking_uri or tracking_uri()
-    runs = pipeline_runs(uri, args.last)
+    runs = pipeline_runs(uri, args.last, args.include_failed)
     data = compare_data(runs, patterns) | {"tracking_uri": uri, "patterns": patterns, "plot": None}
     check_matched(runs, data)
     if data["table"] and not args.no_plot:
@@ -183,6 +184,8 @@ def add_compare(sub) -> None:
     p.add_argument("--plot", default="reports/compare.png", metavar="PATH",
                    help="where the comparison plot goes (default: %(default)s)")
     p.add_argument("--no-plot", action="store_true", help="write no plot")
+    p.add_argument("--include-failed", action="store_true",
+                   help="also runs that failed, were interrupted or still run (default: finished runs only)")
     p.add_argument("--json", action="store_true", help="print the data as JSON, for scripts")
     tracking_uri_flag(p)
     p.set_defaults(func=cmd_compare)

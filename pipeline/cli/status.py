@@ -98,6 +98,10 @@ def mlflow_status(uri: str) -> dict:
     last = client.search_runs(ids, "tags.`edgeflux.kind` = 'pipeline'", max_results=1,
                               order_by=["attributes.start_time DESC"])
     out["last_pipeline"] = run_info(last[0]) if last else None
+    if last and last[0].info.status != "FINISHED":   # a failed run is shown as such, beside the last good one
+        good = client.search_runs(ids, "tags.`edgeflux.kind` = 'pipeline' and attributes.status = 'FINISHED'",
+                                  max_results=1, order_by=["attributes.start_time DESC"])
+        out["last_finished_pipeline"] = run_info(good[0]) if good else None
     return out
 
 
@@ -146,10 +150,11 @@ def print_status(rows: list[dict], tracked: dict, holder: str | None) -> None:
         where = {True: "alive", False: "process gone: killed? (closed at the next stage run)", None: "another host"}
         console.print(f"  running: {run['stage']} since {local_time(run['start_time'])} on {run['host']} "
                       f"pid {run['pid']} ({where[run['alive']]})", highlight=False)
-    if last := tracked["last_pipeline"]:
-        console.print(f"  last pipeline run: {last['name']} {last['status']} (started {local_time(last['start_time'])}"
-                      + (f", preset {last['preset']}" if last["preset"] else "")
-                      + (f", DVC experiment {last['dvc_exp']}" if last["dvc_exp"] else "") + ")", highlight=False)
+    for key, label in (("last_pipeline", "last pipeline run"), ("last_finished_pipeline", "last finished run")):
+        if run := tracked.get(key):
+            console.print(f"  {label}: {run['name']} {run['status']} (started {local_time(run['start_time'])}"
+                          + (f", preset {run['preset']}" if run["preset"] else "")
+                          + (f", DVC experiment {run['dvc_exp']}" if run["dvc_exp"] else "") + ")", highlight=False)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
