@@ -119,8 +119,39 @@ def test_port_in_use_is_named(cnn):
             ModelServer(cnn[1], port=port).start()
 
 
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garble MLmodel", "no checksums"])
+def test_a_damaged_model_directory_is_refused_before_it_is_served(cnn, tmp_path, damage):
+    """A model with 16 bytes flipped would be served and answer wrongly (a measured cloud accuracy of 0.22
+    instead of 0.90): the directory's checksums are checked first."""
+    import shutil
+
+    from edgeflux.tracking.models import MANIFEST
+    model = tmp_path / "cloud"
+    shutil.copytree(cnn[1], model)
+    weights = max((p for p in model.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(weights.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2: len(data) // 2 + 16] = bytes(b ^ 0xFF for b in data[len(data) // 2: len(data) // 2 + 16])
+        weights.write_bytes(bytes(data))
+    elif damage == "truncate":
+        weights.write_bytes(bytes(data[: int(len(data) * 0.8)]))
+    elif damage == "garble MLmodel":
+        (model / "MLmodel").write_text((model / "MLmodel").read_text().replace("flavors", "flavours"))
+        weights = model / "MLmodel"
+    else:
+        (model / MANIFEST).unlink()
+    server = ModelServer(model, log_path=tmp_path / "server.log")
+    expected = rf"{model}: no readable {MANIFEST}" if damage == "no checksums" else \
+        rf"{weights} differs from the file that was saved \(damaged or changed\)"
+    with pytest.raises(CloudServerError, match=expected + r".*dvc checkout models/meanet/cloud.*dvc repro -f meanet_cloud"):
+        server.start()
+    assert server.process is None
+
+
 def test_server_that_exits_early_is_reported_with_its_last_log_line(tmp_path):
+    from edgeflux.tracking.models import MANIFEST, _digests
     (tmp_path / "MLmodel").write_text("flavors: {}\n")   # an MLmodel that MLflow cannot serve
+    (tmp_path / MANIFEST).write_text(json.dumps({"sha256": _digests(tmp_path)}))   # intact, as saved
     server = ModelServer(tmp_path, log_path=tmp_path / "server.log")
     with pytest.raises(CloudServerError, match=r"exited with code 1 before it was ready \(last log line: Exception: "
                                                r"No suitable flavor backend.*\): fix that, see .*server.log"):

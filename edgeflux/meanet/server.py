@@ -61,6 +61,14 @@ class ModelServer(Service):
             what = "no MLflow model" if not Path(self.model).exists() else "no MLmodel file (not an MLflow model)"
             raise CloudServerError(f"{what} at {self.model}: give a directory written by "
                                    "edgeflux.tracking.save_model_dir (the cloud model: `dvc repro meanet_cloud`)")
+        if not _is_uri(self.model):   # a damaged model would be served and answer wrongly, not fail
+            from edgeflux.tracking.models import ModelDirError, check_model_dir
+
+            try:
+                check_model_dir(self.model, "restore it (`dvc checkout models/meanet/cloud`) or rebuild it "
+                                            "(`dvc repro -f meanet_cloud`)")
+            except ModelDirError as exc:
+                raise CloudServerError(str(exc)) from None
         super().check_startable()
 
     def command(self) -> list[str]:

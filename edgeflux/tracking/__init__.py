@@ -28,7 +28,7 @@ os.environ.setdefault("DO_NOT_TRACK", "true")
 from . import scheme  # noqa: E402,F401  (importing it registers the artifact scheme)
 from .experiment import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, resolve_experiment  # noqa: E402
 from .lifecycle import TrackingStoreError, _alive, _process_tags, close_orphaned_runs, stage_run  # noqa: E402
-from .models import save_model_dir  # noqa: E402
+from .models import ModelDirError, check_model_dir, save_model_dir  # noqa: E402
 from .parents import (DVC_EXP_TAG, HEADLINE, LAUNCHER_TAGS, PIPELINE_KEY_TAG, dvc_experiment,  # noqa: E402
                       fleet_metrics, pipeline_id)
 from .stage import StageRun, flatten, metric_name  # noqa: E402
@@ -39,4 +39,5 @@ __all__ = ["ARTIFACTS_DIR", "DVC_EXP_TAG", "EXPERIMENT", "EXPERIMENT_KIND", "EXP
            "LAUNCHER_TAGS", "PIPELINE_KEY_TAG", "PROXIED_SCHEME", "StageRun", "TrackingStoreError", "_alive",
            "_process_tags", "artifacts_root", "close_orphaned_runs", "dvc_experiment", "flatten", "fleet_metrics",
            "metric_name", "pipeline_id", "repo_root", "resolve_experiment", "save_model_dir", "stage_run",
+           "check_model_dir", "ModelDirError",
            "tracking_uri", "ui_command", "ui_url"]

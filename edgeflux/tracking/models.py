@@ -2,13 +2,25 @@
 in a directory that ``mlflow models serve`` serves."""
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import shutil
 from pathlib import Path
 
+from edgeflux.errors import UserError
+
 from .parents import git_commit
 
 log = logging.getLogger(__name__)
+
+# Beside MLmodel in a directory save_model_dir writes: the sha256 of every other file, which check_model_dir
+# recomputes before the directory is served (as every torch file edgeflux writes carries its content digest).
+MANIFEST = "edgeflux-sha256.json"
+
+
+class ModelDirError(ValueError, UserError):
+    """A saved model directory that is missing files, holds others, or whose files changed since it was saved."""
 
 
 def log_model(model, name: str, example=None, registered_name: str | None = None, tags: dict | None = None):
@@ -59,10 +71,33 @@ def save_model_dir(model, path: str | Path, example) -> None:
     finally:
         for module, training in modes:
             module.training = training
+    (tmp / MANIFEST).write_text(json.dumps({"sha256": _digests(tmp)}, indent=2, sort_keys=True) + "\n")
     if path.exists():
         path.rename(old)
     tmp.rename(path)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _digests(directory: Path) -> dict[str, str]:
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+def check_model_dir(path: str | Path, fix: str) -> None:
+    """ModelDirError naming the first file of ``path`` (a directory save_model_dir wrote) that is missing, extra,
+    or not the file that was saved; ``fix`` says how to get a good copy back."""
+    path = Path(path)
+    try:
+        saved = json.loads((path / MANIFEST).read_text())["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ModelDirError(f"{path}: no readable {MANIFEST} (the checksums save_model_dir writes), so it cannot be "
+                            f"checked before it is served; {fix}") from None
+    found = _digests(path)
+    for name in sorted(saved.keys() | found.keys()):
+        if saved.get(name) != found.get(name):
+            what = "is missing" if name not in found else "was not saved with it" if name not in saved else \
+                "differs from the file that was saved (damaged or changed)"
+            raise ModelDirError(f"{path / name} {what}; {fix}")
 
 
 def _torch_version() -> str:
