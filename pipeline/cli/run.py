@@ -191,7 +191,9 @@ def stage_names(dvc_yaml: dict, params: dict) -> list[str]:
 def check_targets(targets: list[str], params: dict) -> None:
     """A target DVC would not know is refused before params.yaml changes (DVC's own addresses, such as
     dvc.yaml:stage or a .dvc file, are left to it)."""
-    known = stage_names(yaml.safe_load(Path("dvc.yaml").read_text()) or {}, params) if Path("dvc.yaml").is_file() else []
+    if not Path("dvc.yaml").is_file():   # not a project's root: DVC says so itself
+        return
+    known = stage_names(yaml.safe_load(Path("dvc.yaml").read_text()) or {}, params)
     for target in targets:
         if target not in known and ":" not in target and not target.endswith((".dvc", "dvc.yaml")):
             raise UsageError(f"no stage {target!r} in dvc.yaml; stages: {', '.join(known)}")
