@@ -218,10 +218,8 @@ def repro_holder() -> str | None:
 
 
 def _restore(original: str) -> None:
-    if PARAMS.read_text() != original:
-        from edgeflux.artifacts import atomic_write
-
-        atomic_write(PARAMS, lambda p: p.write_text(original))
+    if PARAMS.read_text() != original:   # written as set_params writes it (edgeflux.artifacts would import torch)
+        PARAMS.write_text(original)
         print("params.yaml: restored as it was before this run (the run did not succeed)")
 
 
