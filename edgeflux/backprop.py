@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from torch import nn
 
-from edgeflux.memory import BatchFit, StepMemory, choose_batch, measure_training_step
+from edgeflux.memory import BatchFit, StepMemory, choose_batch, measure_training_step, stored_bounds
 from edgeflux.step import TrainStep
 from edgeflux.train import MemoryOptions, TrainOptions, TrainResult, TrainRun, evaluate, fit, optimizer_factory
 
@@ -43,6 +43,7 @@ class BudgetedRun:
             "test_acc": self.test_acc,
             "params": self.params,
             "trainable_params": self.params,   # backprop trains every parameter
+            "split_batches": self.train.split_batches,
         }
         if storage := self.step_memory.activation_storage:   # e.g. BitTrain: saved bytes dense vs as stored
             total = storage["total"]
@@ -86,9 +87,12 @@ def train_under_budget(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor
     run: fit's (TrainRun: device, checkpoint, signature, context, loss_fn, hooks, track_test); the measured
     step uses its context and loss_fn too. The test split is scored once after training (and at every
     evaluation with run.track_test)."""
-    run = run or TrainRun()
-    batch, batch_fit, step_memory = fit_model_batch(model, train, opts, memory or MemoryOptions(), run)
-    result = fit(model, train, val, opts, batch, replace(run, desc=f"{run.desc} (batch {batch})"), test)
+    run, memory = run or TrainRun(), memory or MemoryOptions()
+    batch, batch_fit, step_memory = fit_model_batch(model, train, opts, memory, run)
+    # every batch, not only the measured ones, under the budget: content-dependent storage held to the measured
+    bounds = stored_bounds(step_memory, memory.budget)
+    result = fit(model, train, val, opts, batch, replace(run, desc=f"{run.desc} (batch {batch})",
+                                                         stored_bound=bounds[0] if bounds else None), test)
     test_acc = evaluate(model, *test, batch_size=batch, device=run.device)
     log.info("%s: test accuracy %.4f after %.1fs of training", run.desc, test_acc, result.train_time_s)
     return BudgetedRun(batch, batch_fit, step_memory, result, test_acc, sum(p.numel() for p in model.parameters()))

@@ -120,6 +120,9 @@ class MEANetClientParams(_Section):
     batch: int = Field(64, ge=1)             # instances per request
     cooldown_s: float = Field(5.0, ge=0)     # after a request failed every retry, answer on the edge this long
     ready_timeout_s: float = Field(120.0, gt=0)   # how long the stage waits for the server's /ping
+    # the share of what was sent that the cloud must answer itself, or evaluate_edge_cloud fails: its figures
+    # would measure the edge's fallbacks, not the cloud
+    min_answered: float = Field(0.99, ge=0, le=1)
 
 
 class MEANetCostParams(_Section):

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from edgeflux.auth import HOW, is_loopback
 from edgeflux.environ import venv_env
 from edgeflux.process import kill_group, start_group, stop_group
 
@@ -60,6 +61,9 @@ class Service:
 
     name = "service"
     timeout_fix = "raise its ready timeout"   # what to do when it is not ready in time
+    # whether it checks the credentials of edgeflux.auth: only such a service may listen beyond loopback
+    authenticated = False
+    open_fix = f"set the servers' password first: {HOW}"
 
     def __init__(self, port: int | None = None, host: str = "127.0.0.1", ready_timeout_s: float = 120.0,
                  log_path: str | Path | None = None, env: dict[str, str] | None = None,
@@ -83,6 +87,9 @@ class Service:
 
     def check_startable(self) -> None:
         """Raise ServiceError naming the fix before anything starts."""
+        if not self.authenticated and not is_loopback(self.host):   # first: before any check a subclass adds
+            raise ServiceError(f"the {self.name} would answer anyone who reaches {self.host} without "
+                               f"authentication: {self.open_fix}")
         if port_in_use(self.host, self.port):
             raise ServiceError(f"port {self.port} on {self.host} is in use: stop what listens there or choose "
                                f"another port for the {self.name}")

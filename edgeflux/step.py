@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from edgeflux.memory.bound import StoredBound, StoredOverBudget
+
 StepContext = Callable[[nn.Module], AbstractContextManager]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -74,25 +76,48 @@ class TrainStep:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy, context: StepContext | None = None):
+                 loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy, context: StepContext | None = None,
+                 bound: StoredBound | None = None):
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.context = context or no_context
         self.entered: Any = None    # the context object of the last call (its accounting, if it has one)
+        self.bound = bound          # content-dependent storage (BitTrain) held to what was measured
+        self.split_batches = 0      # batches trained in parts because whole they would have outgrown the bound
 
     @classmethod
     def factory(cls, optimizer_factory: OptimizerFactory, loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy,
-                context: StepContext | None = None) -> StepFactory:
+                context: StepContext | None = None, bound: StoredBound | None = None) -> StepFactory:
         """model -> a TrainStep whose optimizer holds the model's trainable parameters."""
-        return lambda model: cls(model, optimizer_factory(trainable_parameters(model)), loss_fn, context)
+        return lambda model: cls(model, optimizer_factory(trainable_parameters(model)), loss_fn, context, bound)
 
     def __call__(self, x: Tensor, y: Tensor) -> float:
         self.optimizer.zero_grad(set_to_none=True)
-        with self.context(self.model) as entered:
-            loss = self.loss_fn(self.model(x), y)
-            loss.backward()
-        self.entered = entered
+        loss = self._accumulate(x, y, 1.0)
         self.optimizer.step()
-        return loss.item()
+        return loss
+
+    def _accumulate(self, x: Tensor, y: Tensor, weight: float) -> float:
+        """Forward and backward of the batch, its gradients scaled by ``weight`` and added to .grad. A batch
+        whose stored activations would outgrow the bound (StoredOverBudget, raised before the store that would
+        break it) is trained as its two halves, each weighted by its share: the mean loss's gradient, the same
+        as the whole batch's except through BatchNorm, which sees each half's statistics."""
+        try:
+            with self.context(self.model) as entered:
+                if self.bound is not None and entered is not None:
+                    entered.bound = self.bound
+                loss = self.loss_fn(self.model(x), y)
+                (loss if weight == 1.0 else loss * weight).backward()
+        except StoredOverBudget:
+            if len(y) == 1:
+                raise
+        else:
+            self.entered = entered
+            return loss.item() * weight
+        # outside the except clause: the aborted forward's tensors (held by the traceback) are freed by now
+        self.split_batches += 1
+        half = len(y) // 2
+        return (self._accumulate(x[:half], y[:half], weight * half / len(y))
+                + self._accumulate(x[half:], y[half:], weight * (len(y) - half) / len(y)))
 
     def units(self) -> list[tuple[str, nn.Module]] | None:
         return unit_pairs(self.model)

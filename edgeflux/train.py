@@ -47,6 +47,7 @@ from edgeflux.checkpoint import (load_checkpoint, rng_state, run_signature, save
 from edgeflux.data import Images, batches
 from edgeflux.errors import UserError
 from edgeflux.models.units import eval_mode, train_mode
+from edgeflux.memory.bound import StoredBound
 from edgeflux.memory.options import MemoryOptions
 from edgeflux.options import LR_SCALINGS, OPTIMIZER_NAMES, TrainOptions
 from edgeflux.step import Step, StepContext, TrainStep, no_context
@@ -115,6 +116,7 @@ class TrainResult:
     epochs_done: int = 0
     resumed_from_epoch: int = 0
     extra: dict = field(default_factory=dict)   # state a hook keeps (checkpointed with the run)
+    split_batches: int = 0   # in this process: batches trained in halves to stay under the budget (StoredBound)
 
     @property
     def best_val_acc(self) -> float:
@@ -157,6 +159,7 @@ class TrainRun:
     loss_fn: Callable[[Any, Tensor], Tensor] = F.cross_entropy
     make_before_step: Callable[[Step, tuple, int], Callable[[TrainResult], None]] | None = None
     track_test: bool = False
+    stored_bound: StoredBound | None = None
 
 
 @dataclass(frozen=True)
@@ -287,7 +290,7 @@ def fit(model: nn.Module, train: tuple[Tensor | Images, Tensor], val: tuple[Tens
     context = run.context or no_context
     x_train, y_train = train
     step = TrainStep.factory(optimizer_factory(opts.model_copy(update={"lr": opts.lr_for(batch_size)})),
-                             loss_fn=run.loss_fn, context=context)(model.to(device))
+                             loss_fn=run.loss_fn, context=context, bound=run.stored_bound)(model.to(device))
 
     def evaluate_now() -> dict:
         row = {"val_acc": evaluate(model, *val, batch_size=batch_size, device=device)}
@@ -296,11 +299,16 @@ def fit(model: nn.Module, train: tuple[Tensor | Images, Tensor], val: tuple[Tens
         return row
 
     schedule = Schedule(opts.epochs, math.ceil(len(x_train) / batch_size), opts.evals_per_epoch, opts.seed)
-    return train_loop(step, lambda epoch: batches(x_train, y_train, batch_size, shuffle=True,
-                                                  seed=opts.seed * 1000 + epoch),
-                      schedule, evaluate_now,
-                      replace(run, device=device, signature=_fit_signature(opts, batch_size, context, train, val, run)),
-                      run.make_before_step(step, train, batch_size) if run.make_before_step else None)
+    result = train_loop(step, lambda epoch: batches(x_train, y_train, batch_size, shuffle=True,
+                                                    seed=opts.seed * 1000 + epoch),
+                        schedule, evaluate_now,
+                        replace(run, device=device, signature=_fit_signature(opts, batch_size, context, train, val, run)),
+                        run.make_before_step(step, train, batch_size) if run.make_before_step else None)
+    result.split_batches = step.split_batches
+    if step.split_batches:
+        log.info("%s: %d of %d batches stored denser activations than the measured ones and were trained in "
+                 "halves to stay under the budget", run.desc, step.split_batches, result.steps)
+    return result
 
 
 def _fit_signature(opts: TrainOptions, batch_size: int, context: StepContext, train: tuple, val: tuple,

@@ -18,7 +18,8 @@ def main() -> None:
                         help="an MLflow model directory or URI (default: the meanet_cloud stage's models/meanet/cloud)")
     parser.add_argument("--port", type=int, default=5001, help="port to listen on (default: 5001; 0: a free one)")
     parser.add_argument("--host", default="127.0.0.1",
-                        help="address to listen on (default: loopback; 0.0.0.0 serves devices on the network)")
+                        help="address to listen on (default: loopback; devices reach it through the reverse proxy "
+                             "of docs/cli.md, Security: the model server has no authentication of its own)")
     parser.add_argument("--ready-timeout-s", type=float, default=120.0,
                         help="seconds to wait for the server to answer /ping (default: 120)")
     parser.add_argument("--log", default=None, help="the server's output goes here (default: a temp file)")

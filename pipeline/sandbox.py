@@ -23,6 +23,7 @@ from pathlib import Path
 
 import yaml
 
+from edgeflux.auth import client_env
 from edgeflux.environ import venv_env
 from pipeline.servers import MLflowServer, PrefectServer, PrefectWorker
 from stages import registry
@@ -117,11 +118,12 @@ def make_origin(root: Path, overrides: dict | None = None) -> Path:
 
 @contextmanager
 def sandbox(root: Path, poll_s: float = 2, scheduler_loop_s: float = 2,
-            overrides: dict | None = None) -> Iterator[dict]:
+            overrides: dict | None = None, password: str | None = None) -> Iterator[dict]:
     """The whole system under ``root`` (see the module's docstring), stopped on leaving.
 
     ``poll_s``: how often each worker asks for runs (Prefect's default is 10 s; 2 keeps tests short);
-    ``scheduler_loop_s``: how often the server schedules cron deployments' runs."""
+    ``scheduler_loop_s``: how often the server schedules cron deployments' runs; ``password``: the servers
+    check it (edgeflux.auth), and the workers and ``env`` carry it."""
     root = Path(root)
     origin = make_origin(root, overrides)
     clones = {}
@@ -129,21 +131,22 @@ def sandbox(root: Path, poll_s: float = 2, scheduler_loop_s: float = 2,
         sh(f"git clone -q {origin} {root / name}", root)
         clones[name] = root / name
     with ExitStack() as stack:   # unwinds in reverse: workers stop first, then the servers
-        prefect = stack.enter_context(PrefectServer(root / "prefect", scheduler_loop_s=scheduler_loop_s))
-        mlflow = stack.enter_context(MLflowServer(root / "mlflow"))
+        prefect = stack.enter_context(PrefectServer(root / "prefect", scheduler_loop_s=scheduler_loop_s,
+                                                    password=password))
+        mlflow = stack.enter_context(MLflowServer(root / "mlflow", password=password))
         # the CLI's own PREFECT_HOME (profiles, caches) under root too: nothing lands in ~/.prefect
         env = git_env(PREFECT_API_URL=prefect.api_url, MLFLOW_TRACKING_URI=mlflow.url,
-                      PREFECT_HOME=str(root / "prefect-cli"))
+                      PREFECT_HOME=str(root / "prefect-cli"), **client_env(password))
         # from the cloud's clone, as on the cloud host: the presets it names are that clone's
         sh(f"{sys.executable} -m pipeline.deploy --preset pi={CI_PRESET}", clones["cloud"], env=env)
         # only the identity on top of the worker's own variables: a PREFECT_API_URL or MLFLOW_TRACKING_URI in
         # this process's environment must not win over this sandbox's servers
         workers = {"cloud": PrefectWorker("cloud", prefect.api_url, clones["cloud"], device_id="cloud-1",
                                           tracking_uri=mlflow.url, poll_s=poll_s, env_extra=GIT_IDENTITY,
-                                          log_path=root / "worker-cloud.log"),
+                                          password=password, log_path=root / "worker-cloud.log"),
                    "pi": PrefectWorker("pi", prefect.api_url, clones["pi"], device_id=PI, work_queue=PI,
                                        tracking_uri=mlflow.url, poll_s=poll_s, env_extra=GIT_IDENTITY,
-                                       log_path=root / "worker-pi.log")}
+                                       password=password, log_path=root / "worker-pi.log")}
         for w in workers.values():
             stack.callback(w.stop)
             w.start()

@@ -6,14 +6,16 @@
 
 From a shell, in the foreground until Ctrl-C (README, "Cloud and devices"):
 
-    python -m pipeline.servers cloud --host 0.0.0.0 --deploy   # the Prefect and MLflow servers, the deployments
+    python -m pipeline.servers cloud --host 0.0.0.0 --init-auth --deploy   # the servers (a password), the deployments
     python -m pipeline.servers worker --pool pi --device-id pi-01   # a device's worker, in this clone
 
 which run the tools' own commands (`prefect server start`, `mlflow server`, `prefect worker start --pool pi
 --type process`) with the environment each needs.
 
 A worker runs each flow run in a child process that inherits its environment: `EDGEFLUX_HOME` (the clone
-the deployments' pull step enters), `EDGEFLUX_DEVICE_ID` and `MLFLOW_TRACKING_URI` travel that way.
+the deployments' pull step enters), `EDGEFLUX_DEVICE_ID`, `MLFLOW_TRACKING_URI` and the servers' password (as
+the tools' own variables: edgeflux.auth) travel that way. Beyond loopback the servers need that password
+(docs/cli.md, Security).
 """
 from __future__ import annotations
 
@@ -23,10 +25,12 @@ import os
 import signal
 import subprocess
 import sys
+import secrets
 import time
 from contextlib import ExitStack
 from pathlib import Path
 
+from edgeflux.auth import PASSWORD_ENV, USER, AuthError, auth_file, client_env, init_auth_file, load_password
 from edgeflux.environ import venv_env
 from edgeflux.service import Service, ServiceError
 
@@ -41,10 +45,14 @@ class PrefectServer(Service):
     timeout_fix = "raise the ready timeout (a first start migrates a new database: ~8 s here)"
 
     def __init__(self, home: str | Path, port: int | None = None, host: str = "127.0.0.1",
-                 scheduler_loop_s: float | None = None, **kwargs) -> None:
+                 scheduler_loop_s: float | None = None, password: str | None = None, **kwargs) -> None:
         self.home = Path(home)
         self.home.mkdir(parents=True, exist_ok=True)
+        # every API request but the health probe needs Basic auth (the server's own services use it too)
+        self.authenticated = bool(password)
         extra = {"PREFECT_HOME": str(self.home)}
+        if password:
+            extra |= {"PREFECT_SERVER_API_AUTH_STRING": f"{USER}:{password}", **client_env(password)}
         if scheduler_loop_s is not None:
             extra["PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS"] = str(scheduler_loop_s)
         kwargs.setdefault("log_path", self.home / "server.log")
@@ -63,25 +71,47 @@ class PrefectServer(Service):
 
 
 class MLflowServer(Service):
-    """`mlflow server` with a sqlite store and the artifacts it serves (devices upload them over HTTP)."""
+    """`mlflow server` with a sqlite store and the artifacts it serves (devices upload them over HTTP).
+
+    With a ``password``, MLflow's basic-auth app: every request but /health needs the user edgeflux and that
+    password. Its user store (basic_auth.db beside mlflow.db) is made anew at each start, its one admin from
+    the password given now: MLflow reads the admin's password only when it creates the store, so a kept store
+    would go on accepting an old password after the file changed."""
 
     name = "MLflow server"
     timeout_fix = "raise the ready timeout"
 
     def __init__(self, store: str | Path, port: int | None = None, host: str = "127.0.0.1", workers: int = 1,
-                 allowed_hosts: str | None = None, **kwargs) -> None:
+                 allowed_hosts: str | None = None, password: str | None = None, **kwargs) -> None:
         self.store = Path(store).resolve()
         self.store.mkdir(parents=True, exist_ok=True)
         self.workers, self.allowed_hosts = workers, allowed_hosts
+        self.authenticated = bool(password)
         kwargs.setdefault("log_path", self.store / "server.log")
-        super().__init__(port, host, **kwargs)
+        super().__init__(port, host, env=venv_env(self._auth_env(password)) if password else None, **kwargs)
+
+    def _auth_env(self, password: str) -> dict[str, str]:
+        config = self.store / "basic_auth.ini"   # no secret in it: the admin's password comes from the environment
+        config.write_text(f"[mlflow]\ndefault_permission = NO_PERMISSIONS\n"
+                          f"database_uri = sqlite:///{self.store / 'basic_auth.db'}\nadmin_username = {USER}\n"
+                          "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+        return {"MLFLOW_AUTH_CONFIG_PATH": str(config), "MLFLOW_AUTH_ADMIN_USERNAME": USER,
+                "MLFLOW_AUTH_ADMIN_PASSWORD": password,
+                # signs the UI's CSRF tokens: new at each start, which only logs browsers in again
+                "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(32)}
+
+    def start(self) -> MLflowServer:
+        if self.authenticated:
+            (self.store / "basic_auth.db").unlink(missing_ok=True)
+        return super().start()
 
     @property
     def probe_url(self) -> str:
         return f"{self.url}/health"
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{self.store}/mlflow.db",
+        return [sys.executable, "-m", "mlflow", "server", *(["--app-name", "basic-auth"] if self.authenticated else []),
+                "--backend-store-uri", f"sqlite:///{self.store}/mlflow.db",
                 "--artifacts-destination", str(self.store / "artifacts"), "--host", self.host,
                 "--port", str(self.port), "--workers", str(self.workers),
                 *(["--allowed-hosts", self.allowed_hosts] if self.allowed_hosts else [])]
@@ -100,7 +130,7 @@ class PrefectWorker(Service):
     def __init__(self, pool: str, api_url: str, clone: str | Path, device_id: str | None = None,
                  work_queue: str | None = None, tracking_uri: str | None = None, poll_s: float | None = None,
                  port: int | None = None, host: str = "127.0.0.1", env_extra: dict[str, str] | None = None,
-                 **kwargs) -> None:
+                 password: str | None = None, **kwargs) -> None:
         self.pool, self.work_queue = pool, work_queue
         self.clone = Path(clone).resolve()
         self.device_id = device_id or f"{pool}-{self.clone.name}"
@@ -110,6 +140,7 @@ class PrefectWorker(Service):
                  "PREFECT_HOME": str(self.clone / ".prefect")}
         if tracking_uri:
             extra["MLFLOW_TRACKING_URI"] = tracking_uri
+        extra |= client_env(password)   # inherited by each flow run and the stages it starts
         if poll_s is not None:
             extra |= {"PREFECT_WORKER_QUERY_SECONDS": str(poll_s), "PREFECT_WORKER_PREFETCH_SECONDS": str(poll_s)}
         self.env = venv_env({**extra, **(env_extra or {})})
@@ -161,17 +192,23 @@ def follow(services: list[Service], echo: bool = True) -> int:
 
 def serve_cloud(args: argparse.Namespace) -> int:
     home = Path(args.dir).resolve()
+    if args.init_auth:
+        print(f"credentials: {init_auth_file()} (user {USER}; copy the file to each device, mode 0600)")
+    password = load_password()
     with ExitStack() as stack:
-        prefect = stack.enter_context(PrefectServer(home / "prefect", args.prefect_port, args.host))
+        prefect = stack.enter_context(PrefectServer(home / "prefect", args.prefect_port, args.host, password=password))
         mlflow = stack.enter_context(MLflowServer(home / "mlflow", args.mlflow_port, args.host,
-                                                  allowed_hosts=args.allowed_hosts))
+                                                  allowed_hosts=args.allowed_hosts, password=password))
         where = args.public_host or ("127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host)
         env = {"PREFECT_API_URL": f"http://{where}:{prefect.port}/api", "MLFLOW_TRACKING_URI": f"http://{where}:{mlflow.port}"}
         if args.deploy:
-            subprocess.run([sys.executable, "-m", "pipeline.deploy"], env=venv_env(env), check=True)
+            subprocess.run([sys.executable, "-m", "pipeline.deploy"], env=venv_env(env | client_env(password)),
+                           check=True)
         print("servers up; on this host and on each device:\n    export " +
               " ".join(f"{k}={v}" for k, v in env.items()) +
-              f"\nPrefect UI: http://{where}:{prefect.port}   MLflow UI: http://{where}:{mlflow.port}"
+              f"\nPrefect UI: http://{where}:{prefect.port}   MLflow UI: http://{where}:{mlflow.port}" +
+              (f"\nauthentication: user {USER}, the password of ${PASSWORD_ENV} or {auth_file()}"
+               if password else "\nauthentication: none (loopback only)") +
               f"\nlogs: {prefect.log_path}, {mlflow.log_path}; Ctrl-C stops both", flush=True)
         return follow([prefect, mlflow], echo=args.follow)
 
@@ -186,7 +223,7 @@ def run_worker(args: argparse.Namespace) -> int:
     device_id = args.device_id or f"{args.pool}-{clone.name}"
     queue = device_id if args.pool != "cloud" else None   # what fleet runs address a device by
     worker = PrefectWorker(args.pool, args.api_url, clone, device_id=device_id, work_queue=queue,
-                           tracking_uri=args.tracking_uri, poll_s=args.poll_s,
+                           tracking_uri=args.tracking_uri, poll_s=args.poll_s, password=load_password(),
                            log_path=clone / ".edgeflux" / f"worker-{device_id}.log")
     with worker:
         print(f"{worker.name} in {clone}: runs of pool {args.pool!r}" +
@@ -204,13 +241,17 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     cloud = sub.add_parser("cloud", help="the Prefect server and the MLflow tracking server, until Ctrl-C")
     cloud.add_argument("--dir", default=".edgeflux/servers", help="their databases, artifacts and logs (default: %(default)s)")
-    cloud.add_argument("--host", default="127.0.0.1", help="interface to listen on; 0.0.0.0 for devices on the network (default: %(default)s)")
+    cloud.add_argument("--host", default="127.0.0.1", help="interface to listen on; 0.0.0.0 for devices on the network, which needs the "
+                       "servers' password (--init-auth) (default: %(default)s)")
     cloud.add_argument("--public-host", default=None, help="the name devices reach this host by, for the printed URLs")
     cloud.add_argument("--prefect-port", type=int, default=4200, help="default: %(default)s")
     cloud.add_argument("--mlflow-port", type=int, default=5000, help="default: %(default)s")
     cloud.add_argument("--allowed-hosts", default=None,
                        help="MLflow's allowed Host headers when devices use a DNS name, e.g. 'cloud.lan:5000' "
                             "(default: localhost and private IPs)")
+    cloud.add_argument("--init-auth", action="store_true",
+                       help="write the servers' password file first (a random password, mode 0600; kept if it "
+                            "exists): needed for any --host but loopback (see docs/cli.md, Security)")
     cloud.add_argument("--deploy", action="store_true", help="create the work pools and deployments (pipeline.deploy) once up")
     cloud.add_argument("--follow", action="store_true", help="print the servers' logs here as they grow")
     worker = sub.add_parser("worker", help="a Prefect process worker for one device (or the cloud), until Ctrl-C")
@@ -231,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         return serve_cloud(args) if args.command == "cloud" else run_worker(args)
-    except ServiceError as exc:
+    except (ServiceError, AuthError) as exc:
         raise SystemExit(f"error: {exc}") from None
 
 

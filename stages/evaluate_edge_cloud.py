@@ -22,7 +22,7 @@ from edgeflux.artifacts import atomic_write, read_json
 from edgeflux.data import load_prepared, tensors
 from edgeflux.meanet.cloud import CloudClient
 from edgeflux.meanet.cost import CostModel, cost_params
-from edgeflux.meanet.evaluate import edge_cloud_report, edge_tables
+from edgeflux.meanet.evaluate import check_answered, edge_cloud_report, edge_tables
 from edgeflux.meanet.hard import HardClasses
 from edgeflux.meanet.model import load_meanet
 from edgeflux.meanet.plot import plot_sweep
@@ -65,10 +65,14 @@ def main(args, params) -> None:
             report = edge_cloud_report(net, hard, client, x, y, mu, threshold, p.sweep, CostModel(**p.cost.model_dump()),
                                        stats["send"], c.batch)
             client_stats = vars(client.stats).copy()
+        requests = check_answered(report, c.min_answered)
         edge, cloud, both = report["edge_only"], report["cloud_only"], report["at_threshold"]
+        # cloud_acc: the cloud's own answers only; the fallbacks beside each figure that includes the edge's
         metrics = {**tables, "threshold": threshold, "mu_correct": mu[0], "mu_wrong": mu[1],
-                   "edge_acc": edge["acc"], "cloud_acc": cloud["acc"], "edge_cloud_acc": both["acc"],
-                   "cloud_frac": both["cloud_frac"], "fallbacks": sum(r["fallbacks"] for r in (cloud, *report["sweep"])),
+                   "edge_acc": edge["acc"], "cloud_acc": cloud["answered_acc"], "edge_cloud_acc": both["acc"],
+                   "cloud_answered": cloud["exit_cloud"], "cloud_fallbacks": cloud["fallbacks"],
+                   "edge_cloud_fallbacks": both["fallbacks"], "cloud_answered_share": requests["answered"] / max(1, requests["sent"]),
+                   "cloud_frac": both["cloud_frac"], "fallbacks": requests["sent"] - requests["answered"],
                    "edge_energy_j": edge["edge_energy_j"], "cloud_energy_j": cloud["edge_energy_j"],
                    "edge_cloud_energy_j": both["edge_energy_j"], "edge_latency_s": edge["latency_s"],
                    "cloud_latency_s": cloud["latency_s"], "edge_cloud_latency_s": both["latency_s"],

@@ -24,6 +24,9 @@ def _isolated_state(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{state / 'mlflow.db'}")
     monkeypatch.setenv("PREFECT_HOME", str(state / "prefect"))
     monkeypatch.delenv("EDGEFLUX_PIPELINE_ID", raising=False)
+    # the servers' password of the user running the tests (edgeflux.auth) stays out: a test that wants one sets it
+    monkeypatch.setenv("EDGEFLUX_AUTH_FILE", str(state / "no-auth-file"))
+    monkeypatch.delenv("EDGEFLUX_PASSWORD", raising=False)
 
 
 @pytest.fixture(scope="session")

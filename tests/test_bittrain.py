@@ -743,3 +743,111 @@ def test_the_params_schema_names_the_store_dtypes_the_bitmap_has():
     from edgeflux.bittrain.options import STORE_DTYPE_NAMES
 
     assert tuple(STORE_DTYPES) == STORE_DTYPE_NAMES
+
+
+# ----------------------------------------------------------------------------- every batch under the budget
+
+def _step_kinds():
+    """(model, step factory taking bounds) for the two steps that train under a budget: backprop's TrainStep on
+    train_bp's model, and NeuroFlux's block step on MobileNetV2's first two units (a VGG block's peak comes
+    before its variable stores: every batch peaks the same there)."""
+    from edgeflux.neuroflux.aux import local_learners
+    from edgeflux.neuroflux.block import BlockStep, LocalBlock
+    from edgeflux.step import TrainStep
+    from edgeflux.train import TrainOptions, optimizer_factory
+
+    context, optimizer = BitTrainOptions(enabled=True).context, optimizer_factory(TrainOptions(lr=0.01))
+    torch.manual_seed(0)
+    model = build_model("vgg11", width=0.25)   # train_bp's model
+    block = LocalBlock(local_learners(build_model("mobilenet_v2", width=0.25, seed=0), seed=0)[:2])
+    return {"backprop": (model, lambda bounds: TrainStep.factory(optimizer, context=context,
+                                                                 bound=bounds[0] if bounds else None)),
+            "neuroflux block": (block, lambda bounds: BlockStep.factory(optimizer, context, bounds))}
+
+
+@pytest.mark.parametrize("kind", ["backprop", "neuroflux block"])
+def test_bittrain_under_a_budget_holds_every_batch_of_an_epoch_not_only_the_measured_ones(fmnist_288, kind):
+    """The batch is chosen on the first CONTENT_SAMPLES batches; a denser batch stores bigger bitmaps. Here the
+    measured batches are the epoch's sparsest and the budget is their peak exactly (no headroom): without a
+    bound some batch of the epoch goes over it; with the StoredBounds every step's measured allocator peak
+    stays within it (a denser batch trained in halves)."""
+    from edgeflux.memory import CONTENT_SAMPLES, choose_batch, measure_training_step, stored_bounds
+
+    model, make_step = _step_kinds()[kind]
+    x, y, batch = _sparsest_first(model, make_step(None), *fmnist_288)
+
+    def measure(xb, yb):
+        return measure_training_step(model, make_step(None), (xb.clone(), yb.clone()), (xb.clone(), yb.clone()))
+
+    budget = max(measure(x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch]).peak_bytes
+                 for i in range(CONTENT_SAMPLES))
+    choice = choose_batch(measure, (x, y), budget_bytes=budget, max_batch=batch)
+    assert choice.batch_size == batch and choice.memory.peak_bytes == budget
+    bounds = stored_bounds(choice.memory, budget)
+    assert bounds is not None and {b.headroom for b in bounds} == {0}
+
+    def epoch_peaks(step_bounds):
+        net = copy.deepcopy(model)
+        step = make_step(step_bounds)(net)
+        step(x[:batch], y[:batch])   # optimizer state exists, as in the measured (steady-state) step
+        peaks = []
+        for i in range(0, len(y), batch):
+            xb, yb = x[i:i + batch].clone(), y[i:i + batch].clone()   # the batch alone: not a view of the epoch
+            peaks.append(measure_step(lambda xb=xb, yb=yb: step(xb, yb), model=net, optimizer=step.optimizer,
+                                      inputs=(xb, yb), process_stats=False).peak_bytes)
+        return peaks, step.split_batches
+
+    unbounded, _ = epoch_peaks(None)
+    assert max(unbounded) > budget, "no batch of this epoch is denser than the measured ones: the test shows nothing"
+    bounded, splits = epoch_peaks(bounds)
+    assert max(bounded) <= budget, ([p - budget for p in unbounded], [p - budget for p in bounded], splits)
+    assert splits >= 1
+
+
+@pytest.fixture(scope="module")
+def fmnist_288():
+    """288 real Fashion-MNIST training images (an epoch of 12 batches of 24) at 32x32."""
+    from edgeflux.data import load_raw, prepare, tensors
+    x, y = tensors(prepare(load_raw("fashion-mnist"), image_size=32), "train", limit=288)
+    return x[:], y
+
+
+def _sparsest_first(model, make_step, x, y, batch=24, count=12):
+    """count batches of real images, those the step stores the fewest bytes for first (the batches the batch
+    size is measured on), as (x, y, batch)."""
+    from edgeflux.memory import measure_training_step
+
+    x, y = x[:batch * count].clone(), y[:batch * count].clone()
+    stored = [measure_training_step(model, make_step, (x[:batch], y[:batch]),
+                                    (x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch]),
+                                    process_stats=False).saved_bytes for i in range(count)]
+    index = torch.cat([torch.arange(i * batch, (i + 1) * batch) for i in sorted(range(count), key=stored.__getitem__)])
+    return x[index], y[index], batch
+
+
+def test_a_batch_trained_in_halves_has_the_whole_batchs_gradient(fmnist):
+    """Held to the stored bytes of its first half (measured), a whole batch cannot be stored: it is trained in
+    parts, whose weighted gradients add up to the whole batch's (no BatchNorm), to float rounding."""
+    from edgeflux.memory import measure_training_step, stored_bounds
+    from edgeflux.step import TrainStep
+
+    x, y = fmnist[0][:32].clone(), fmnist[1][:32].clone()
+    torch.manual_seed(0)
+    model = build_model("vgg11", width=0.25, batch_norm=False)
+    opts = BitTrainOptions(enabled=True)
+
+    def make_step(net, bound=None):
+        return TrainStep(net, torch.optim.SGD(net.parameters(), lr=0.0), context=opts.context, bound=bound)
+
+    half = measure_training_step(model, make_step, (x[:16], y[:16]), (x[:16], y[:16]))
+    (bound,) = stored_bounds(half, half.peak_bytes)
+    grads, splits = [], []
+    for step_bound in (None, bound):
+        net = copy.deepcopy(model)
+        step = make_step(net, step_bound)
+        step(x, y)
+        grads.append([p.grad for p in net.parameters()])
+        splits.append(step.split_batches)
+    assert splits[0] == 0 and splits[1] >= 1
+    for whole, parts in zip(*grads):
+        torch.testing.assert_close(parts, whole, rtol=1e-4, atol=1e-6)

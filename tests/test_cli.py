@@ -90,7 +90,7 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
 # --- help ---------------------------------------------------------------------------------------------
 
 FORWARDED_FLAGS = {   # the wrapped tools' own flags, which their parsers define
-    "servers": ["--dir", "--host", "--public-host", "--prefect-port", "--mlflow-port", "--allowed-hosts", "--deploy",
+    "servers": ["--dir", "--host", "--public-host", "--prefect-port", "--mlflow-port", "--allowed-hosts", "--init-auth", "--deploy",
                 "--follow"],
     "worker": ["--pool", "--device-id", "--clone", "--api-url", "--tracking-uri", "--poll-s"],
     "serve-cloud": ["--model", "--port", "--host", "--ready-timeout-s", "--log"],

@@ -12,6 +12,7 @@ import ast
 import importlib
 import importlib.util
 import json
+import os
 import re
 import shlex
 import shutil
@@ -398,18 +399,25 @@ def test_each_image_declares_a_torch_inside_the_range(path):
 
 # --- compose.yaml -------------------------------------------------------------------------------------------
 
-def test_compose_config_is_valid():
-    proc = subprocess.run([str(compose_binary()), "-f", str(COMPOSE), "config", "-q"], capture_output=True,
-                          text=True, timeout=60, cwd=REPO)
+PASSWORD = "a-test-password-0123"
+
+
+def test_compose_config_is_valid_and_refused_without_the_servers_password():
+    env = {k: v for k, v in os.environ.items() if k != "EDGEFLUX_PASSWORD"}
+    command = [str(compose_binary()), "-f", str(COMPOSE), "config", "-q"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=REPO,
+                          env={**env, "EDGEFLUX_PASSWORD": PASSWORD})
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
+    assert proc.returncode != 0 and "set EDGEFLUX_PASSWORD" in proc.stderr, proc.stderr
 
 
 @pytest.fixture(scope="module")
 def services() -> dict[str, dict]:
-    """compose.yaml's services, anchors merged and ${VAR:-default} resolved as with no variables set."""
+    """compose.yaml's services, anchors merged and ${VAR:-default} resolved as with only the password set."""
     def resolve(node):
         if isinstance(node, str):
-            return expand(node, {})
+            return expand(node, {"EDGEFLUX_PASSWORD": PASSWORD})
         if isinstance(node, list):
             return [resolve(n) for n in node]
         if isinstance(node, dict):
@@ -438,16 +446,20 @@ def test_compose_servers_run_the_commands_pipeline_servers_builds(services, tmp_
     from pipeline.servers import MLflowServer, PrefectServer
 
     prefect, mlflow = services["prefect"], services["mlflow"]
-    expected = PrefectServer(tmp_path / "prefect", port=4200, host="0.0.0.0")
+    expected = PrefectServer(tmp_path / "prefect", port=4200, host="0.0.0.0", password=PASSWORD)
     assert prefect["command"] == ["python", *expected.command()[1:]]
+    auth = ("PREFECT_SERVER_API_AUTH_STRING", "PREFECT_API_AUTH_STRING")
+    assert {k: prefect["environment"][k] for k in auth} == {k: expected.env[k] for k in auth}
     assert prefect["environment"]["PREFECT_HOME"] in mounts(prefect)
     assert 4200 in published(prefect)
     assert expected.probe_url.replace("0.0.0.0", "127.0.0.1") in " ".join(prefect["healthcheck"]["test"])
 
     command = mlflow["command"]
     store = tmp_path / "mlflow"
-    expected = MLflowServer(store, port=5000, host="0.0.0.0",
+    expected = MLflowServer(store, port=5000, host="0.0.0.0", password=PASSWORD,
                             allowed_hosts=command[command.index("--allowed-hosts") + 1])
+    admin = ("MLFLOW_AUTH_ADMIN_USERNAME", "MLFLOW_AUTH_ADMIN_PASSWORD")
+    assert {k: mlflow["environment"][k] for k in admin} == {k: expected.env[k] for k in admin}
     (state,) = mounts(mlflow)
     assert command == ["python", *(a.replace(str(store.resolve()), state) for a in expected.command()[1:])]
     assert "mlflow:5000" in expected.allowed_hosts.split(","), "the worker reaches MLflow as mlflow:5000"
@@ -463,6 +475,7 @@ def test_compose_worker_is_a_real_cloud_worker_of_these_servers(services, monkey
     assert parsed.command == "worker" and parsed.pool == "cloud" and parsed.pool in real_pools()
     assert parsed.clone in mounts(worker) and worker["working_dir"] == parsed.clone
     assert parsed.api_url == "http://prefect:4200/api" and parsed.tracking_uri == "http://mlflow:5000"
+    assert worker["environment"]["EDGEFLUX_PASSWORD"] == PASSWORD   # passed on to its flow runs (edgeflux.auth)
     assert {k: v["condition"] for k, v in worker["depends_on"].items()} == {
         "prefect": "service_healthy", "mlflow": "service_healthy", "deploy": "service_completed_successfully"}
 
@@ -474,6 +487,7 @@ def test_compose_deploy_runs_pipeline_deploy_in_the_clone(services, monkeypatch)
     assert deploy_service["working_dir"] in mounts(deploy_service)
     assert mounts(deploy_service)[deploy_service["working_dir"]] == mounts(services["worker"])["/work/edgeflux"]
     assert deploy_service["environment"]["PREFECT_API_URL"] == "http://prefect:4200/api"
+    assert deploy_service["environment"]["PREFECT_API_AUTH_STRING"] == f"edgeflux:{PASSWORD}"
 
     from pipeline import deploy
 

@@ -151,13 +151,16 @@ def test_importance_is_the_first_order_loss_reduction_of_one_update():
     assert sum(got) > 0                                      # one SGD step lowers the loss to first order
 
 
-def test_a_rho_too_small_is_one_line_naming_the_key_and_the_smallest_workable_value(tmp_path):
+def test_a_rho_too_small_trains_the_classifier_alone_or_is_one_line_naming_the_smallest_workable_value(tmp_path):
     model, (x, y) = _model(), _batch()
     step = TrainStep.factory(optimizer_factory(FinetuneOptions(optimizer="adam")))(model)
     controller = ElasticController(ElasticOptions(rho=0.05), classifier_names(model), key="finetune.elastic.rho")
     controller.attach(step, (x, y), 32)
     controller.timing = profile_tensors(model, x, y, optimizer=step.optimizer)
     importance = [1.0] * (len(controller.names) - 2) + [-1.0, -1.0]     # the classifier trains all the same
+    # by default the classifier alone, with a warning: a default rho must not fail a stage on a loaded machine
+    assert controller.select(importance) == [False] * (len(controller.names) - 2) + [True, True]
+    controller.opts = ElasticOptions(rho=0.05, when_infeasible="error")
     with pytest.raises(ElasticBudgetError, match=r"^finetune.elastic.rho = 0.05 asks for training steps of .* "
                                                  r"the smallest workable finetune.elastic.rho is (0\.\d+)$") as err:
         controller.select(importance)

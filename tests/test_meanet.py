@@ -185,6 +185,34 @@ def test_a_cloud_that_fails_mid_batch_drops_nothing_and_counts_every_fallback(ro
     assert len(routed.cloud_errors) == len(calls) - 1
 
 
+def test_cloud_accuracy_counts_the_clouds_answers_only_and_a_mostly_dead_cloud_is_no_measurement(routed_setup,
+                                                                                                   mnist_subset):
+    """A cloud that answers its first request with the true labels and then dies: the routed accuracy mixes
+    its answers with the edge's fallbacks, the cloud's own accuracy is over what it answered (1.0 here), and
+    check_answered refuses the run when the cloud answered less than the stated share of what was sent."""
+    from edgeflux.meanet.evaluate import CloudAnswerError, check_answered, route_once
+
+    net, hard, _ = routed_setup
+    x, y = tensors(mnist_subset, "target_test", limit=128)
+    x, y = x[:], y[:]
+    sent = []
+
+    def dies_after_one(batch):
+        sent.append(len(batch))
+        if len(sent) > 1:
+            raise CloudUnavailable("cloud at http://127.0.0.1:1 did not answer (test)")
+        return torch.nn.functional.one_hot(y[:len(batch)], 10).float()   # cloud-only sends in order: the first batch's labels
+
+    row = route_once(net, hard, dies_after_one, -1.0, x, y, cloud_batch=16)
+    assert row["exit_cloud"] == 16 and row["fallbacks"] == 112 and row["answered_acc"] == 1.0
+    assert row["acc"] < 1.0
+    report = {"cloud_only": row, "sweep": [{"exit_cloud": 0, "fallbacks": 0}]}
+    with pytest.raises(CloudAnswerError, match=r"^the cloud answered 16 of the 128 instances sent to it \(12.5%; "
+                                              r"meanet.client.min_answered is 99%\)"):
+        check_answered(report, 0.99)
+    assert check_answered(report, 0.125) == {"sent": 128, "answered": 16}
+
+
 @pytest.mark.slow   # tens of seconds: make test-fast leaves it out
 def test_edge_training_keeps_the_main_block_fixed_and_needs_less_memory_than_joint(mnist_subset, tmp_path):
     model = small("mobilenet_v2")

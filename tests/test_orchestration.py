@@ -3,6 +3,7 @@ and process workers in pools `cloud` and `pi`, each in its own git clone of one 
 machines. Workers are always stopped before the servers, even when a test fails."""
 import json
 import re
+import secrets
 import subprocess
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 import yaml
 
+from edgeflux.auth import client_env
 from pipeline.sandbox import CI_PRESET, CI_PRESET_FILE, DEVICE_STAGES, PI, sandbox, sh
 
 pytestmark = pytest.mark.slow
@@ -22,8 +24,14 @@ def system(tmp_path_factory):
     # run, not every method or instance (test_pipeline checks those). The killed-worker test gives
     # train_blocks the epochs it needs to be interrupted itself.
     overrides = {"finetune": {"methods": ["mobiletl"]}, "meanet": {"max_test_samples": 50}}
-    with sandbox(tmp_path_factory.mktemp("system"), overrides=overrides) as system:
-        yield system
+    # The servers check a password, as on a fleet: every flow, stage and worker below must carry it. This
+    # process's own MLflow client (mlflow_runs) gets it the way a user's does, from the environment.
+    password = secrets.token_urlsafe(18)
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in client_env(password).items():
+            mp.setenv(key, value)
+        with sandbox(tmp_path_factory.mktemp("system"), overrides=overrides, password=password) as system:
+            yield system
 
 
 def run_deployment(system, name: str, params: dict | None = None, watch: bool = True) -> subprocess.CompletedProcess:

@@ -23,11 +23,14 @@ NEUROFLUX = ["profile", "partition", "train_blocks", "select_exit"]
 FINETUNE = [f"finetune@{m}" for m in ("mobiletl", "ft_all", "elastic", "mobiletl-bittrain", "elastic-mobiletl")]
 
 
-def sh(cmd, cwd, check=True):
+def project_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # stages use the project's mlflow.db
-    env = {**env, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
-    out = run_group(cmd, 900, cwd=cwd, shell=True, env=env)   # a timeout stops dvc and its stage, not just the shell
+    return {**env, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+            "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+
+
+def sh(cmd, cwd, check=True):
+    out = run_group(cmd, 900, cwd=cwd, shell=True, env=project_env())   # a timeout stops dvc and its stage too
     if check and out.returncode != 0:
         raise AssertionError(f"{cmd} failed ({out.returncode}):\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
     return out
@@ -233,6 +236,48 @@ def test_a_stage_that_stops_under_dvc_keeps_the_last_good_outputs(project):
         (project / "params.yaml").write_text(good_params)
     assert _bytes(project, bp + profile) == before
     assert "Running stage" not in sh("dvc repro", project).stdout   # what persisted is what dvc.lock records
+
+
+def _model_server_of(project):
+    """The pid of the cloud model server evaluate_edge_cloud started in ``project`` (None: not started yet)."""
+    for proc in psutil.process_iter(["cmdline", "cwd"]):
+        cmd = proc.info["cmdline"] or []
+        if "models" in cmd and "serve" in cmd and proc.info["cwd"] == str(project):
+            return proc.pid
+    return None
+
+
+def test_a_cloud_killed_mid_evaluation_fails_the_stage_and_keeps_the_last_good_outputs(project):
+    """The real model server SIGKILLed once it has answered: the edge's fallbacks answer the rest (right at
+    inference time), but the stage must not record them as a measurement of the cloud: one line, exit != 0,
+    dvc.lock and the last good outputs as they were."""
+    outs = ["metrics/evaluate_edge_cloud.json", "details/evaluate_edge_cloud.json", "plots/meanet_sweep.csv"]
+    sh("dvc repro evaluate_edge_cloud", project)
+    before, lock = _bytes(project, outs), (project / "dvc.lock").read_text()
+    good_params = (project / "params.yaml").read_text()
+    log = project / ".edgeflux/logs/cloud_server.log"
+    params = yaml.safe_load(good_params)
+    params["meanet"]["client"]["batch"] = 4   # many requests: the kill lands mid-evaluation
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    try:
+        stage = subprocess.Popen("dvc repro evaluate_edge_cloud", shell=True, cwd=project, text=True, env=project_env(),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        deadline, pid = time.monotonic() + 600, None
+        while stage.poll() is None and time.monotonic() < deadline:
+            pid = pid or _model_server_of(project)
+            if pid and log.is_file() and "/invocations" in log.read_text(errors="replace"):
+                os.killpg(os.getpgid(pid), signal.SIGKILL)   # the server and its uvicorn: the cloud is gone
+                break
+            time.sleep(0.02)
+        assert stage.poll() is None, "the stage ended before the cloud could be killed"
+        out, err = stage.communicate(timeout=600)
+    finally:
+        if stage.poll() is None:
+            os.killpg(stage.pid, signal.SIGKILL)
+        (project / "params.yaml").write_text(good_params)
+    assert stage.returncode != 0 and "Traceback" not in err
+    assert "the cloud answered" in err and "meanet.client.min_answered is 99%" in err, err[-2000:]
+    assert _bytes(project, outs) == before and (project / "dvc.lock").read_text() == lock
 
 
 def test_a_damaged_model_is_one_line_and_dvc_checkout_restores_it(project):

@@ -1,6 +1,8 @@
 """`python -m pipeline.servers`: the cloud's servers and a device's worker from a shell, up until Ctrl-C,
 and nothing left behind after it."""
 import shutil
+import socket
+import stat
 import signal
 import subprocess
 import sys
@@ -88,3 +90,86 @@ def test_worker_without_a_server_or_outside_a_clone_says_what_to_give(tmp_path):
     out = subprocess.run([sys.executable, "-m", "pipeline.servers", "worker", "--pool", "pi", "--clone", str(tmp_path),
                           "--api-url", "http://127.0.0.1:9/api"], cwd=REPO, env=env, capture_output=True, text=True)
     assert out.returncode != 0 and "not an edgeflux clone (no dvc.yaml)" in out.stderr
+
+
+def lan_address() -> str | None:
+    """An address of this machine other than loopback (the route a packet to a documentation address would
+    take; a UDP connect sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("198.51.100.1", 9))
+            address = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") or address == "0.0.0.0" else address
+
+
+def one_line_error(args: list[str], env: dict) -> str:
+    out = subprocess.run([sys.executable, "-m", "pipeline.servers", *args], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    return out.stderr.strip()
+
+
+def test_servers_beyond_loopback_need_the_password_and_refuse_who_lacks_it(tmp_path):
+    host = lan_address()
+    if host is None:
+        pytest.skip("this machine has no address but loopback")
+    ports = {"prefect": free_port(host), "mlflow": free_port(host)}
+    auth = tmp_path / "auth"
+    env = {k: v for k, v in venv_env({"PREFECT_HOME": str(tmp_path / "client"), "EDGEFLUX_AUTH_FILE": str(auth)}).items()
+           if k not in ("EDGEFLUX_PASSWORD", "PREFECT_API_AUTH_STRING", "MLFLOW_TRACKING_PASSWORD")}
+    cloud_args = ["cloud", "--dir", str(tmp_path / "servers"), "--host", host, "--prefect-port", str(ports["prefect"]),
+                  "--mlflow-port", str(ports["mlflow"]), "--allowed-hosts", f"{host}:{ports['mlflow']}"]
+    # no password: refused before anything listens, one line naming how to set one
+    assert "--init-auth" in one_line_error(cloud_args, env)
+    auth.write_text("a-password-others-can-read\n")
+    auth.chmod(0o644)
+    assert f"chmod 600 {auth}" in one_line_error(cloud_args, env)
+    auth.unlink()
+
+    cloud = start([*cloud_args, "--init-auth"], REPO, env)
+    worker = None
+    try:
+        read_until(cloud, "Ctrl-C stops both")
+        assert stat.S_IMODE(auth.stat().st_mode) == 0o600
+        password = auth.read_text().strip()
+        api, mlflow = f"http://{host}:{ports['prefect']}/api", f"http://{host}:{ports['mlflow']}"
+        pool = {"name": "pi", "type": "process"}
+        experiment = f"{mlflow}/api/2.0/mlflow/experiments/create"
+        with httpx.Client(trust_env=False, timeout=30) as anyone:
+            assert anyone.post(f"{api}/work_pools/", json=pool).status_code == 401
+            assert anyone.post(f"{api}/deployments/filter", json={}).status_code == 401
+            assert anyone.post(experiment, json={"name": "x"}).status_code == 401
+            assert anyone.put(f"{mlflow}/api/2.0/mlflow-artifacts/artifacts/x/y.txt", content=b"x").status_code == 401
+            assert anyone.post(f"{api}/work_pools/", json=pool, auth=("edgeflux", "wrong-password")).status_code == 401
+        with httpx.Client(trust_env=False, timeout=30, auth=("edgeflux", password)) as member:
+            assert member.post(f"{api}/work_pools/", json=pool).status_code == 201
+            assert member.post(experiment, json={"name": "x"}).status_code == 200
+
+        # a device's worker with the same file: it creates its queue and polls, all through the password
+        clone = tmp_path / "clone"
+        clone.mkdir()
+        shutil.copy(REPO / "dvc.yaml", clone)
+        worker = start(["worker", "--pool", "pi", "--device-id", "pi-08", "--clone", str(clone), "--poll-s", "2",
+                        "--api-url", api, "--tracking-uri", mlflow], REPO, env)
+        read_until(worker, "Ctrl-C stops it")
+        queues = httpx.post(f"{api}/work_pools/pi/queues/filter", json={}, trust_env=False,
+                            auth=("edgeflux", password)).json()
+        assert "pi-08" in {q["name"] for q in queues}
+    finally:
+        if worker is not None and worker.poll() is None:
+            interrupt(worker)
+        code = interrupt(cloud)
+    assert code == 0
+    assert not port_in_use(host, ports["prefect"]) and not port_in_use(host, ports["mlflow"])
+
+
+def test_model_server_refuses_to_listen_beyond_loopback(tmp_path):
+    from edgeflux.meanet.server import CloudServerError, ModelServer
+
+    host = lan_address()
+    if host is None:
+        pytest.skip("this machine has no address but loopback")
+    with pytest.raises(CloudServerError, match="no authentication of its own.*reverse proxy"):
+        ModelServer(tmp_path, host=host).start()

@@ -64,7 +64,8 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor
 
-from edgeflux.memory import OUTSIDE_UNITS, SavedTensorModifiedError, UnitsArg, UnitTracker, resolve_units
+from edgeflux.memory import (OUTSIDE_UNITS, SavedTensorModifiedError, StoredBound, StoredOverBudget, UnitsArg,
+                             UnitTracker, resolve_units)
 
 from . import kernel
 from .bitmap import compress_if_smaller, count_kept, dense_in_memory, flat_view, resolve_store_dtype
@@ -124,6 +125,8 @@ class CompressedActivations:
         self.awaiting_output: Any = None     # a masked.MaskOnly waiting to see the next saved tensor
         self._to_count: list[tuple[Tensor, UnitStats, int]] = []   # small tensors not counted yet
         self._to_count_bytes = 0
+        self.trajectory: list[int] = []       # stored bytes after each activation saved (StoredBound's envelope)
+        self.bound: StoredBound | None = None   # set by the step that trains under a budget
         if self.double_mask and not self._modules:
             log.warning("double_mask needs the model (units=model or (name, module) pairs) to find its "
                         "BatchNorm and activation modules; without it only plain compression is applied")
@@ -185,6 +188,11 @@ class CompressedActivations:
             return Kept(t)
         stats = self.unit_stats()
         stats.packs += 1
+        holder = self._holder(t, stats)
+        self._record()
+        return holder
+
+    def _holder(self, t: Tensor, stats: UnitStats) -> Any:
         entry = self._seen.get(id(t))
         if entry is not None and entry[0]() is t and entry[1] == t._version:
             holder = entry[2]()
@@ -195,6 +203,22 @@ class CompressedActivations:
             if special is not None:
                 return special
         return self.store_shared(t, stats)
+
+    def stored_total(self) -> int:
+        return sum(s.stored_bytes for s in self.stats.values())
+
+    def _record(self) -> None:
+        """The stored total after this activation: kept (a measured step's ``trajectory``), and held to the
+        bound (a store that allocates is refused before it allocates, in ``store``; a tensor merely kept
+        alive is refused here)."""
+        stored = self.stored_total()
+        if self.bound is not None and self.bound.room(len(self.trajectory), stored) < 0:
+            raise StoredOverBudget(f"stored activations {stored} B after save {len(self.trajectory)}")
+        self.trajectory.append(stored)
+
+    def _room(self) -> int | None:
+        """What the activation being stored may add (StoredBound); None without a bound."""
+        return None if self.bound is None else self.bound.room(len(self.trajectory), self.stored_total())
 
     def store_shared(self, t: Tensor, stats: UnitStats) -> Kept | Packed:
         """store(t), remembered: later saves of the same tensor (same version) get this holder."""
@@ -242,9 +266,12 @@ class CompressedActivations:
         flat, stride = flat_view(d)
         cast_bytes = n * value_size
         # a bitmap only when smaller than dense and than a plain store_dtype copy (most BN inputs:
-        # counted, not compressed)
+        # counted, not compressed), and when it fits the bound (room: nothing allocated otherwise)
+        limit, room = min(dense - 1, cast_bytes), self._room()
         bitmap, nnz = compress_if_smaller(flat, d.shape, stride, self.threshold, self.store_dtype,
-                                          max_bytes=min(dense - 1, cast_bytes))
+                                          max_bytes=limit if room is None else max(0, min(limit, room)))
+        if room is not None and bitmap is None and min(math.ceil(n / 8) + nnz * value_size, cast_bytes) > room:
+            raise StoredOverBudget(f"a saved activation of {n} elements does not fit the {room} B left")
         stats.nnz += nnz
         stats.theoretical_bytes += math.ceil(n / 8) + nnz * value_size
         if bitmap is not None:

@@ -12,6 +12,10 @@ class ElasticOptions(Options):
     """ElasticTrainer's options (params.yaml: finetune.elastic)."""
 
     rho: float = Field(0.5, gt=0, le=1)          # a step should take rho x the full step's time
+    # when rho leaves no time for the classifier on the machine as measured (a loaded machine measures a slow
+    # forward): "classifier" trains it alone that epoch, with a warning and the selection marked not met;
+    # "error" stops with the smallest workable rho
+    when_infeasible: Literal["classifier", "error"] = "classifier"
     interval: int = Field(1, ge=1)               # re-evaluate importance and re-select every `interval` epochs
     profile_interval: int = Field(0, ge=0)       # re-profile every this many epochs (0: once, at the start)
     probe_samples: int = Field(32, ge=1)         # the probe batch of the importance evaluation

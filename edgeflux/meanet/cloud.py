@@ -22,6 +22,8 @@ import httpx
 import torch
 from torch import Tensor
 
+from edgeflux.auth import USER, load_password
+
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)   # one INFO line per request otherwise
 
@@ -57,7 +59,11 @@ class CloudClient:
         self.down_until = 0.0   # time.monotonic() before which calls raise without a request
         # One connection, kept alive. A proxy from the environment (HTTP_PROXY) is for a remote cloud only: httpx
         # would send loopback requests through it too unless NO_PROXY names 127.0.0.1.
-        self.http = httpx.Client(timeout=timeout_s, transport=transport, trust_env=not _loopback(self.url))
+        # Beyond loopback the model server sits behind a reverse proxy that checks the fleet's password
+        # (docs/cli.md, Security): send it when one is set.
+        password = None if _loopback(self.url) else load_password()
+        self.http = httpx.Client(timeout=timeout_s, transport=transport, trust_env=not _loopback(self.url),
+                                 auth=(USER, password) if password else None)
 
     def __call__(self, x: Tensor) -> Tensor:
         if time.monotonic() < self.down_until:

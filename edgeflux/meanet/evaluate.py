@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from edgeflux.errors import UserError
 from edgeflux.models import eval_mode
 from edgeflux.neuroflux.exit import throughput
 
@@ -92,11 +93,15 @@ def edge_latency(net: MEANet, sample: Tensor, batch: int = 64, seconds: float = 
 
 def route_once(net: MEANet, hard: HardClasses, cloud: Callable[[Tensor], Tensor] | None, threshold: float | None,
                x, y: Tensor, send: str = "images", cloud_batch: int = 64) -> dict:
-    """Route the split once: accuracy, the exits' counts, the share that ran the extension path, and the measured
-    round trip per instance the cloud answered."""
+    """Route the split once: accuracy (the system's: fallbacks answered on the edge), the cloud's accuracy over
+    the instances it answered itself, the exits' counts, the share that ran the extension path, and the
+    measured round trip per instance the cloud answered."""
     routed = Router(net, hard, threshold, cloud, send, cloud_batch).route(x)
     counts, n = routed.counts(), max(1, len(y))
+    by_cloud = routed.exit == EXITS.index("cloud")   # the cloud's own answers, without the edge's fallbacks
+    answered_acc = (routed.pred[by_cloud] == y[by_cloud]).float().mean().item() if by_cloud.any() else None
     return {"threshold": threshold, "send": send, "acc": routed.accuracy(y), "cloud_frac": counts["cloud"] / n,
+            "answered_acc": answered_acc,
             "sent_frac": (counts["cloud"] + counts["fallback"]) / n, "fallbacks": counts["fallback"],
             "answered": len(routed.pred), **{f"exit_{k}": counts[k] for k in EXITS},
             "extension_share": routed.extension_runs / n,
@@ -156,3 +161,22 @@ def upload_size(net: MEANet, sample: Tensor, send: str) -> int:
         return int(sample[0].numel())
     with eval_mode(net), torch.no_grad():
         return int(net.features(sample[:1]).numel() * 4)
+
+
+class CloudAnswerError(RuntimeError, UserError):
+    """The cloud answered too little of what was sent for the figures to measure it."""
+
+
+def check_answered(report: dict, min_share: float) -> dict:
+    """Requests sent and answered over every routed pass of ``report`` (edge_cloud_report's); CloudAnswerError
+    when the cloud answered less than ``min_share`` of them: at inference time a fallback is the right answer,
+    but a sweep measured against a cloud that died is not a measurement of the cloud."""
+    passes = [report["cloud_only"], *report["sweep"]]
+    answered = sum(r["exit_cloud"] for r in passes)
+    sent = answered + sum(r["fallbacks"] for r in passes)
+    if sent and answered < min_share * sent:
+        raise CloudAnswerError(f"the cloud answered {answered} of the {sent} instances sent to it ({answered / sent:.1%}; "
+                               f"meanet.client.min_answered is {min_share:.0%}): the server died or timed out, so these "
+                               "figures would not measure it; nothing written, the last good outputs are kept: see "
+                               "the server's log and rerun")
+    return {"sent": sent, "answered": answered}

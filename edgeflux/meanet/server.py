@@ -37,6 +37,8 @@ class ModelServer(Service):
 
     name = "cloud model server"
     timeout_fix = "raise the ready timeout (params.yaml: meanet.client.ready_timeout_s)"
+    open_fix = ("MLflow's model server has no authentication of its own: serve it on loopback and let devices reach "
+                "it through the reverse proxy of docs/cli.md (Security: TLS and the fleet's password)")
 
     def __init__(self, model: str | Path, port: int | None = None, host: str = "127.0.0.1",
                  ready_timeout_s: float = 120.0, log_path: str | Path | None = None) -> None:
@@ -57,6 +59,7 @@ class ModelServer(Service):
             raise CloudServerError(str(exc)) from None
 
     def check_startable(self) -> None:
+        super().check_startable()   # beyond loopback: refused, whatever the model
         if not _is_uri(self.model) and not (Path(self.model) / "MLmodel").is_file():
             what = "no MLflow model" if not Path(self.model).exists() else "no MLmodel file (not an MLflow model)"
             raise CloudServerError(f"{what} at {self.model}: give a directory written by "
@@ -69,7 +72,6 @@ class ModelServer(Service):
                                             "(`dvc repro -f meanet_cloud`)")
             except ModelDirError as exc:
                 raise CloudServerError(str(exc)) from None
-        super().check_startable()
 
     def command(self) -> list[str]:
         # `python -m mlflow` with this interpreter: works whether or not the venv's scripts are on PATH.

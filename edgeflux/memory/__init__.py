@@ -21,6 +21,8 @@ What is measured, and how (one module per job):
   cross-check of the process as a whole (interpreter, libraries, allocator caches), never the figure.
 * ``budget``: the batch size under a budget (``choose_batch``, ``max_batch_under_budget``) and the
   error that names the smallest feasible budget (``BudgetTooSmallError``).
+* ``bound``: what a step whose stored activations depend on their content (BitTrain) may store, so
+  that every batch, not only the measured ones, stays under the budget (``StoredBound``).
 * ``sizes``: bytes for people (``format_bytes``) and budgets rounded up (``budget_at_least``).
 """
 from edgeflux.lazy import lazy_exports
@@ -29,6 +31,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "edgeflux.step": ["StepContext", "TrainStep", "no_context", "training_step_fn"],
     "budget": ["CONTENT_SAMPLES", "BatchChoice", "BatchFit", "BudgetTooSmallError", "choose_batch", "fit_linear",
                "largest_over_batches", "max_batch_under_budget"],
+    "bound": ["StoredBound", "StoredOverBudget", "stored_bounds"],
     "options": ["MemoryOptions"],
     "process": ["retain_freed_heap"],
     "saved": ["OUTSIDE_UNITS", "SavedTensorCounter", "SavedTensorModifiedError", "UnitsArg", "UnitTracker",

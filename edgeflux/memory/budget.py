@@ -23,12 +23,23 @@ def largest_over_batches(measure: Callable[[int], StepMemory], available: int,
                          samples: int = CONTENT_SAMPLES) -> StepMemory:
     """measure(0), or, where the step stores activations by their content (``activation_storage`` is
     set: BitTrain's bitmap holds the batch's non-zeros), the largest peak of measure(i) over the first
-    min(samples, available) disjoint batches i: one batch's peak would not bound the others'."""
+    min(samples, available) disjoint batches i, with the largest stored bytes of any of them after each
+    stored activation (``stored_envelope``, what StoredBound holds later batches to)."""
     step = measure(0)
     if step.activation_storage is not None:
         for i in range(1, min(samples, available)):
-            step = max(step, measure(i), key=lambda s: s.peak_bytes)
+            other = measure(i)
+            envelope = _upper_envelope(step.stored_envelope, other.stored_envelope)
+            step = max(step, other, key=lambda s: s.peak_bytes)
+            step.stored_envelope = envelope
     return step
+
+
+def _upper_envelope(a: list[list[int]] | None, b: list[list[int]] | None) -> list[list[int]] | None:
+    # not the same sequence of saves: no envelope to trust
+    if a is None or b is None or [len(t) for t in a] != [len(t) for t in b]:
+        return None
+    return [[max(u, v) for u, v in zip(ta, tb)] for ta, tb in zip(a, b)]
 
 
 class BudgetTooSmallError(RuntimeError, UserError):

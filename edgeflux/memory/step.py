@@ -49,6 +49,9 @@ class StepMemory:
     uss_bytes: int | None = None         # process USS after the step, not exact
     buffer_bytes: int = 0                # BN running statistics etc.
     activation_storage: dict | None = None   # the step context's own accounting (e.g. BitTrain's summary)
+    # stored bytes after each stored activation (BitTrain), per context the step entered (a block step: one
+    # per unit): what edgeflux.memory.StoredBound holds later batches to; not written out (to_dict)
+    stored_envelope: list[list[int]] | None = None
 
     def set_stored(self, storage: dict, stored_by_unit: dict[str, int]) -> None:
         """A step context with saved-tensor hooks of its own (BitTrain) is innermost, so the generic
@@ -59,7 +62,9 @@ class StepMemory:
 
     def to_dict(self) -> dict:
         # unit_order: saved_by_unit's keys in model order (JSON files are written with sorted keys)
-        return {**asdict(self), "unit_order": list(self.saved_by_unit)}
+        out = {**asdict(self), "unit_order": list(self.saved_by_unit)}
+        del out["stored_envelope"]
+        return out
 
 
 def _tensors_of_state(optimizer: torch.optim.Optimizer | None) -> Iterator[Tensor]:
@@ -198,16 +203,25 @@ def measure_training_step(model: nn.Module, make_step: StepFactory, warmup: tupl
     (modules a method keeps in eval mode stay so). It takes one warm-up step on ``warmup`` first, so that
     optimizer state (SGD momentum, Adam moments) exists as it does during training; the next step is
     measured. process_stats: see measure_step.
+
+    Random draws (dropout masks, which BitTrain's stored bytes depend on) come from seed 0 in a forked
+    generator: the same batch measures the same every time, and the trainer's random stream is left as it was.
     """
     device = torch.device(device)
-    net = train_mode(copy.deepcopy(model).to(device))
-    step = make_step(net)
-    step(warmup[0].to(device), warmup[1].to(device))
-    x, y = batch[0].to(device), batch[1].to(device)
-    memory = measure_step(lambda: step(x, y), model=net, optimizer=step.optimizer, inputs=(x, y), units=step.units(),
-                          device=device, process_stats=process_stats)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(0)
+        net = train_mode(copy.deepcopy(model).to(device))
+        step = make_step(net)
+        step(warmup[0].to(device), warmup[1].to(device))
+        x, y = batch[0].to(device), batch[1].to(device)
+        memory = measure_step(lambda: step(x, y), model=net, optimizer=step.optimizer, inputs=(x, y),
+                              units=step.units(), device=device, process_stats=process_stats)
     if (stored := step.activation_storage()) is not None:
         memory.set_stored(*stored)
+        entered = step.entered if isinstance(step.entered, list) else [step.entered]   # a block step: per unit
+        trajectories = [getattr(c, "trajectory", None) for c in entered]
+        memory.stored_envelope = (None if any(t is None for t in trajectories)
+                                  else [list(t) for t in trajectories])
     return memory
 
 

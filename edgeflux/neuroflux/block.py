@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from edgeflux.memory import CONTENT_SAMPLES, StepMemory, choose_batch, format_bytes, measure_training_step
+from edgeflux.memory import (CONTENT_SAMPLES, StepMemory, StoredBound, StoredOverBudget, choose_batch, format_bytes,
+                             measure_training_step)
 from edgeflux.models.units import eval_mode
 from edgeflux.step import OptimizerFactory, StepContext, StepFactory, no_context, trainable_parameters
 from edgeflux.train import TrainOptions, optimizer_factory
@@ -63,15 +64,19 @@ class BlockStep:
     gradient crosses a unit boundary.
     """
 
-    def __init__(self, model: LocalBlock, optimizer: torch.optim.Optimizer, context: StepContext | None = None):
+    def __init__(self, model: LocalBlock, optimizer: torch.optim.Optimizer, context: StepContext | None = None,
+                 bounds: Sequence[StoredBound] | None = None):
         self.model, self.optimizer = model, optimizer
         self.context = context or no_context
         self.entered: list = []     # each unit's context object of the last call (their accounting)
+        self.bounds = bounds        # per unit: content-dependent storage (BitTrain) held to what was measured
+        self.split_batches = 0      # unit batches trained in parts to stay under the bound (TrainStep's rule)
 
     @classmethod
-    def factory(cls, optimizer_factory: OptimizerFactory, context: StepContext | None = None) -> StepFactory:
+    def factory(cls, optimizer_factory: OptimizerFactory, context: StepContext | None = None,
+                bounds: Sequence[StoredBound] | None = None) -> StepFactory:
         """block -> a BlockStep whose optimizer holds the learners' trainable parameters (not the prefix's)."""
-        return lambda block: cls(block, optimizer_factory(trainable_parameters(block.learners)), context)
+        return lambda block: cls(block, optimizer_factory(trainable_parameters(block.learners)), context, bounds)
 
     def __call__(self, x: Tensor, y: Tensor) -> float:
         if self.model.prefix is not None:     # classic local learning: recompute the input through trained units
@@ -79,17 +84,40 @@ class BlockStep:
                 x = self.model.prefix(x)
         loss_sum = 0.0
         self.entered = []
-        for learner in self.model.learners:
+        for i, learner in enumerate(self.model.learners):
             self.optimizer.zero_grad(set_to_none=True)
+            x, loss = self._unit(learner, x, y, self.bounds[i] if self.bounds else None, 1.0)
+            self.optimizer.step()
+            loss_sum += loss
+        return loss_sum / len(self.model.learners)
+
+    def _unit(self, learner: LocalLearner, x: Tensor, y: Tensor, bound: StoredBound | None,
+              weight: float) -> tuple[Tensor, float]:
+        """One unit's forward and backward (gradients scaled by ``weight``): its detached output and loss. As in
+        edgeflux.step.TrainStep, a batch that would outgrow the bound is trained as its halves, whose outputs
+        are written into one tensor for the next unit."""
+        try:
             with self.context(learner) as unit_context:
+                if bound is not None and unit_context is not None:
+                    unit_context.bound = bound
                 out, logits = learner.forward_with_output(x)
                 loss = F.cross_entropy(logits, y)
-                loss.backward()
+                (loss if weight == 1.0 else loss * weight).backward()
+        except StoredOverBudget:
+            if len(y) == 1:
+                raise
+        else:
             self.entered.append(unit_context)
-            self.optimizer.step()
-            loss_sum += loss.item()
-            x = out.detach()
-        return loss_sum / len(self.model.learners)
+            return out.detach(), loss.item() * weight
+        self.split_batches += 1   # the aborted forward's tensors are freed by now (outside the except clause)
+        half, n = len(y) // 2, len(y)
+        first, loss = self._unit(learner, x[:half], y[:half], bound, weight * half / n)
+        out = first.new_empty((n, *first.shape[1:]))
+        out[:half] = first
+        del first
+        second, more = self._unit(learner, x[half:], y[half:], bound, weight * (n - half) / n)
+        out[half:] = second
+        return out, loss + more
 
     def units(self) -> list[tuple[str, nn.Module]]:
         return [(f"unit{i}", m) for i, m in enumerate(self.model.learners)]

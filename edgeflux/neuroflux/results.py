@@ -26,6 +26,7 @@ class BlockResult:
     resumed_from_epoch: int = 0
     rebuilt_caches: list[str] = field(default_factory=list)
     history: list[dict] = field(default_factory=list)   # this block's accuracy-vs-time rows
+    split_batches: int = 0      # unit batches trained in halves to stay under the budget (BitTrain's StoredBound)
 
 
 @dataclass

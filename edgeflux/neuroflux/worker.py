@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from edgeflux.artifacts import CorruptFileError, atomic_write, read_json, write_json
 from edgeflux.checkpoint import run_signature, tensor_digest
-from edgeflux.memory import BudgetTooSmallError, format_bytes
+from edgeflux.memory import BudgetTooSmallError, StoredBound, format_bytes, stored_bounds
 from edgeflux.step import StepContext, no_context
 from edgeflux.train import Schedule, TrainOptions, TrainResult, TrainRun, optimizer_factory, train_loop
 from edgeflux.neuroflux.results import BlockResult, NeuroFluxRun
@@ -289,8 +289,10 @@ def _train_block(work: _BlockWork, sources: dict, settings: _Settings, so_far: N
              list(block.units), batch, block.batch_size, format_bytes(memory.peak_bytes),
              f" <= budget {format_bytes(budget_bytes)}" if budget_bytes else "")
     _to_device(work.learners, work.prefix, settings.device)   # measured on copies: the originals are not there yet
+    # every batch under the budget, not only the measured ones (BitTrain: edgeflux.memory.StoredBound)
     train = _block_loop(work, sources, batch, settings, so_far, (sum(b.steps for b in so_far.blocks),
-                        so_far.train_time_s + measure_time, so_far.train_cpu_s + measure_cpu))
+                        so_far.train_time_s + measure_time, so_far.train_cpu_s + measure_cpu),
+                        stored_bounds(memory, budget_bytes))
 
     # The block is trained: cache its outputs (use_cache) and score every unit's exit on the way.
     tick, cpu_tick = time.perf_counter(), time.process_time()
@@ -303,7 +305,7 @@ def _train_block(work: _BlockWork, sources: dict, settings: _Settings, so_far: N
         cpu_s=measure_cpu + train.train_cpu_s + cache_cpu,
         unit_val_acc=accs["val"], unit_test_acc=accs["test"],
         cache_bytes=sum(ActivationCache.open(work.files.cache(s)).nbytes for s in SPLITS) if settings.use_cache else 0,
-        resumed_from_epoch=train.resumed_from_epoch, history=train.history)
+        resumed_from_epoch=train.resumed_from_epoch, history=train.history, split_batches=train.split_batches)
     _save_block(work, result)
     checkpoint = _checkpoint(settings, block)
     if checkpoint.exists():
@@ -318,14 +320,14 @@ def _checkpoint(settings: _Settings, block: Block) -> Path:
 
 
 def _block_loop(work: _BlockWork, sources: dict, batch: int, settings: _Settings, so_far: NeuroFluxRun,
-                offset: tuple[int, float, float]) -> TrainResult:
+                offset: tuple[int, float, float], bounds: tuple[StoredBound, ...] | None = None) -> TrainResult:
     """The block's epochs through the one training loop. Batches are ordered by (seed, block, epoch) and the
     global RNG (dropout, if a model has any) is seeded per block and restored on resume, so a resumed block
     equals an uninterrupted one. The checkpoint is kept until the block's caches and record are written.
     offset: where the block's curve starts (the blocks before it, and measuring this one)."""
     block, learners, prefix, opts, device = work.block, work.learners, work.prefix, settings.opts, settings.device
-    step = BlockStep.factory(optimizer_factory(opts.model_copy(update={"lr": opts.lr_for(batch)})), settings.context)(
-        LocalBlock(learners, prefix))
+    step = BlockStep.factory(optimizer_factory(opts.model_copy(update={"lr": opts.lr_for(batch)})), settings.context,
+                             bounds)(LocalBlock(learners, prefix))
     unit_val, unit_test = so_far.unit_val_acc, so_far.unit_test_acc
 
     def evaluate() -> dict:
@@ -345,9 +347,11 @@ def _block_loop(work: _BlockWork, sources: dict, batch: int, settings: _Settings
                    desc=f"{settings.desc} block {block.index} (batch {batch})", keep_checkpoint=True, offset=offset,
                    on_epoch_end=(lambda epoch, _: on_epoch_end(block.index, epoch)) if on_epoch_end else None)
     seed = opts.seed * 100_003 + block.index * 1009
-    return train_loop(step, lambda epoch: Batches(sources["train"], batch, shuffle=True, seed=seed, epoch=epoch),
-                      Schedule(opts.epochs, math.ceil(sources["train"].num_samples / batch), opts.evals_per_epoch,
-                               seed=opts.seed * 100_003 + block.index), evaluate, run)
+    result = train_loop(step, lambda epoch: Batches(sources["train"], batch, shuffle=True, seed=seed, epoch=epoch),
+                        Schedule(opts.epochs, math.ceil(sources["train"].num_samples / batch), opts.evals_per_epoch,
+                                 seed=opts.seed * 100_003 + block.index), evaluate, run)
+    result.split_batches = step.split_batches
+    return result
 
 
 def _cache_writer(work: _BlockWork, split: str, shape: tuple[int, ...], cache: CacheOptions) -> CacheWriter:

@@ -20,6 +20,7 @@ from .experiment import resolve_experiment
 from .parents import parent_run, pipeline_id
 from .stage import StageRun
 from .store import sqlite_file, tracking_uri
+from edgeflux.auth import HOW, AuthError, export_credentials
 from edgeflux.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -70,18 +71,21 @@ def _open_store(uri: str) -> tuple[MlflowClient, str, str, str]:
     """(client, experiment id, parent run id, pipeline id) in the store at ``uri``; TrackingStoreError with the
     fix when the store is unusable, before the stage has done any work."""
     try:
+        if not sqlite_file(uri):
+            export_credentials()   # a server: the fleet's password (edgeflux.auth), where the environment has none
         mlflow.set_tracking_uri(uri)
         client = MlflowClient()
         experiment_id = resolve_experiment(client, uri)
         close_orphaned_runs(client, experiment_id)
         pid = pipeline_id()
         return client, experiment_id, parent_run(client, experiment_id, pid), pid
-    except (SQLAlchemyError, sqlite3.DatabaseError, MlflowException) as exc:
+    except (SQLAlchemyError, sqlite3.DatabaseError, MlflowException, AuthError) as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         db = sqlite_file(uri)
         fix = (f"move it aside (`mv {db} {db}.corrupt`) and rerun: a new store is created (the old runs stay "
                "in the moved file)" if db
-               else "check that the tracking server is up, or set MLFLOW_TRACKING_URI to a reachable one")
+               else "check that the tracking server is up, or set MLFLOW_TRACKING_URI to a reachable one; a "
+                    f"server that answers 401 needs the fleet's password: {HOW}")
         raise TrackingStoreError(f"the MLflow tracking store {uri} cannot be used ({reason[:200]}): {fix}") from None
 
 

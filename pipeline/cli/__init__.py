@@ -35,7 +35,7 @@ examples:
   edgeflux status                                # up to date / stale (what changed) / running, per stage
   edgeflux compare --last 2                      # two pipeline runs side by side; reports/compare.png
   edgeflux report --open                         # the summary, and its plots opened
-  edgeflux servers --host 0.0.0.0 --deploy       # cloud host: Prefect + MLflow servers
+  edgeflux servers --host 0.0.0.0 --init-auth --deploy   # cloud host: Prefect + MLflow servers
   edgeflux worker --pool pi --device-id pi-01    # device: a Prefect worker in this clone
   edgeflux serve-cloud                           # MEANet's cloud model over HTTP
 

@@ -6,6 +6,7 @@ import argparse
 import os
 import textwrap
 from datetime import UTC, datetime
+from edgeflux.auth import export_credentials
 from edgeflux.errors import UserError
 
 RAW = argparse.RawDescriptionHelpFormatter
@@ -44,6 +45,7 @@ def mlflow_client(uri: str):
     retries for minutes and no traceback)."""
     if uri.startswith(("http://", "https://")):
         _check_reachable(uri)
+        export_credentials()   # the fleet's password (edgeflux.auth), where the environment has none
     # a CLI should not retry an unreachable server for minutes (MLflow's defaults): a few tries, then say so
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")

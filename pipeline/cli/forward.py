@@ -59,7 +59,8 @@ The Prefect server and the MLflow tracking server for the cloud host and its dev
 
 examples:
   edgeflux servers                               # on loopback: Prefect :4200, MLflow :5000
-  edgeflux servers --host 0.0.0.0 --public-host cloud.lan --deploy   # for devices; deployments created
+  edgeflux servers --host 0.0.0.0 --public-host cloud.lan --init-auth --deploy
+                                                 # for devices: a password (made once), deployments created
 """
 WORKER_EXAMPLES = """\
 A Prefect process worker in this clone that runs the pool's flow runs (python -m pipeline.servers worker).
@@ -72,7 +73,7 @@ examples:
 SERVE_CLOUD_EXAMPLES = """\
 examples:
   edgeflux serve-cloud                           # models/meanet/cloud on 127.0.0.1:5001 until Ctrl-C
-  edgeflux serve-cloud --host 0.0.0.0 --port 5001   # for devices on the network
+  edgeflux serve-cloud --port 5001               # devices: through the reverse proxy of docs/cli.md (Security)
 """
 
 
