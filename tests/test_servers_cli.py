@@ -146,6 +146,14 @@ def test_servers_beyond_loopback_need_the_password_and_refuse_who_lacks_it(tmp_p
         with httpx.Client(trust_env=False, timeout=30, auth=("edgeflux", password)) as member:
             assert member.post(f"{api}/work_pools/", json=pool).status_code == 201
             assert member.post(experiment, json={"name": "x"}).status_code == 200
+        # the edgeflux command reads the same file; without it, one line naming how to set it
+        status = [sys.executable, "-m", "pipeline.cli", "status", "--tracking-uri", mlflow, "--json"]
+        out = subprocess.run(status, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and '"last_pipeline"' in out.stdout, out.stderr
+        out = subprocess.run(status, cwd=REPO, env={**env, "EDGEFLUX_AUTH_FILE": str(tmp_path / "none")},
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and "Traceback" not in out.stderr
+        assert f"MLflow at {mlflow} needs the servers' password (401): `edgeflux servers --init-auth`" in out.stderr
 
         # a device's worker with the same file: it creates its queue and polls, all through the password
         clone = tmp_path / "clone"

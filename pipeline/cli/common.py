@@ -6,7 +6,7 @@ import argparse
 import os
 import textwrap
 from datetime import UTC, datetime
-from edgeflux.auth import export_credentials
+from edgeflux.auth import HOW, export_credentials
 from edgeflux.errors import UserError
 
 RAW = argparse.RawDescriptionHelpFormatter
@@ -44,8 +44,8 @@ def mlflow_client(uri: str):
     """MLflow's client for ``uri``; a server that does not answer is a UsageError naming it (one line, no
     retries for minutes and no traceback)."""
     if uri.startswith(("http://", "https://")):
-        _check_reachable(uri)
         export_credentials()   # the fleet's password (edgeflux.auth), where the environment has none
+        _check_server(uri)
     # a CLI should not retry an unreachable server for minutes (MLflow's defaults): a few tries, then say so
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
@@ -54,14 +54,21 @@ def mlflow_client(uri: str):
     return MlflowClient(uri)
 
 
-def _check_reachable(uri: str) -> None:
+def _check_server(uri: str) -> None:
+    """One request as the client will make them (with the credentials it has): a server that does not answer,
+    or refuses them, is one line here rather than a traceback after MLflow's retries."""
     import httpx
 
-    try:   # any answer will do: the client's own requests say what is wrong beyond that
-        httpx.get(uri.rstrip("/") + "/health", timeout=10.0)
+    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    try:
+        answer = httpx.get(uri.rstrip("/") + "/api/2.0/mlflow/experiments/search", params={"max_results": 1},
+                           auth=(user, password) if user and password else None, timeout=10.0)
     except httpx.HTTPError as exc:
         raise UsageError(f"cannot reach MLflow at {uri} ({type(exc).__name__}: {exc}): start it (edgeflux servers "
                          "on the cloud host) or give the right --tracking-uri / MLFLOW_TRACKING_URI") from None
+    if answer.status_code in (401, 403):
+        why = "refused the password given" if password else "needs the servers' password"
+        raise UsageError(f"MLflow at {uri} {why} ({answer.status_code}): {HOW}")
 
 
 def store_missing(uri: str) -> bool:
