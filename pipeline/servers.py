@@ -24,8 +24,8 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import secrets
+import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -51,8 +51,9 @@ class PrefectServer(Service):
         # every API request but the health probe needs Basic auth (the server's own services use it too)
         self.authenticated = bool(password)
         extra = {"PREFECT_HOME": str(self.home)}
-        if password:
-            extra |= {"PREFECT_SERVER_API_AUTH_STRING": f"{USER}:{password}", **client_env(password)}
+        if password:   # the server checks it; its own services send it as clients do
+            auth = client_env(password)["PREFECT_API_AUTH_STRING"]
+            extra |= {"PREFECT_SERVER_API_AUTH_STRING": auth, "PREFECT_API_AUTH_STRING": auth}
         if scheduler_loop_s is not None:
             extra["PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS"] = str(scheduler_loop_s)
         kwargs.setdefault("log_path", self.home / "server.log")
@@ -91,17 +92,17 @@ class MLflowServer(Service):
         super().__init__(port, host, env=venv_env(self._auth_env(password)) if password else None, **kwargs)
 
     def _auth_env(self, password: str) -> dict[str, str]:
-        config = self.store / "basic_auth.ini"   # no secret in it: the admin's password comes from the environment
-        config.write_text(f"[mlflow]\ndefault_permission = NO_PERMISSIONS\n"
-                          f"database_uri = sqlite:///{self.store / 'basic_auth.db'}\nadmin_username = {USER}\n"
-                          "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
-        return {"MLFLOW_AUTH_CONFIG_PATH": str(config), "MLFLOW_AUTH_ADMIN_USERNAME": USER,
+        return {"MLFLOW_AUTH_CONFIG_PATH": str(self.store / "basic_auth.ini"), "MLFLOW_AUTH_ADMIN_USERNAME": USER,
                 "MLFLOW_AUTH_ADMIN_PASSWORD": password,
                 # signs the UI's CSRF tokens: new at each start, which only logs browsers in again
                 "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(32)}
 
     def start(self) -> MLflowServer:
-        if self.authenticated:
+        if self.authenticated:   # the auth app's configuration (no secret in it) and a new user store
+            (self.store / "basic_auth.ini").write_text(
+                f"[mlflow]\ndefault_permission = NO_PERMISSIONS\n"
+                f"database_uri = sqlite:///{self.store / 'basic_auth.db'}\nadmin_username = {USER}\n"
+                "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
             (self.store / "basic_auth.db").unlink(missing_ok=True)
         return super().start()
 
