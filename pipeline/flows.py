@@ -12,6 +12,9 @@ MLflow parent run (EDGEFLUX_PIPELINE_ID = the flow run id), tagged with the flow
     retrain_flow    new labelled samples in data/incoming -> re-run the fine-tuning stages on them, push
     fleet_flow      one device_flow run per device of a pool, their headline metrics side by side
 
+Flows that write the clone (all but fleet_flow) hold it for their whole run (pipeline.sync.clone_lock): a
+scheduled retrain_flow that comes due while a device_flow runs waits for it.
+
 What travels where (pipeline/sync.py, docs/orchestration.md): code, dvc.lock and the small uncached
 outputs (metrics, memory reports, plots) through git; models and prepared data through the DVC remote; NeuroFlux's
 activation cache stays on the device unless `share_activation_cache`; runs to the MLflow server.
@@ -32,7 +35,7 @@ import yaml
 
 from edgeflux.environ import offline_env
 from edgeflux.presets import Preset, PresetError, load_preset, set_params
-from pipeline.sync import (command, dvc_pull, dvc_push, git_publish, git_pull, split_by_store, stage_group,
+from pipeline.sync import (clone_lock, command, dvc_pull, dvc_push, git_publish, git_pull, split_by_store, stage_group,
                            stage_outputs)
 from stages import registry
 
@@ -164,19 +167,21 @@ def _headline(stages: list[str]) -> dict[str, dict]:
 @flow(name="edgeflux-pipeline", log_prints=True)
 def pipeline(target: str | None = None) -> list[str]:
     """Run the DVC stages in dependency order in this clone; returns the stages run."""
-    return run_stages(stages_for(target, stage_graph()), flow_env("pipeline"))
+    with clone_lock("pipeline"):
+        return run_stages(stages_for(target, stage_graph()), flow_env("pipeline"))
 
 
 @flow(name="cloud_flow", log_prints=True)
 def cloud_flow(stages: list[str] | None = None, push: bool = True, branch: str = "main") -> dict:
     """The cloud's part: prepare, pretrain, the MEANet cloud model; push their outputs and the dvc.lock."""
-    order = choose(stages or CLOUD_STAGES, stage_graph())
-    run_stages(order, flow_env("cloud_flow", device_id=device_id()))
-    result = {"stages": order, "pushed_bytes": 0, "commit": None}
-    if push:
-        result["pushed_bytes"] = dvc_push(split_by_store(stage_outputs(order))[0])
-        result["commit"] = git_publish(order, f"HEAD:{branch}", f"cloud_flow: {', '.join(order)}")
-    return result
+    with clone_lock("cloud_flow"):
+        order = choose(stages or CLOUD_STAGES, stage_graph())
+        run_stages(order, flow_env("cloud_flow", device_id=device_id()))
+        result = {"stages": order, "pushed_bytes": 0, "commit": None}
+        if push:
+            result["pushed_bytes"] = dvc_push(split_by_store(stage_outputs(order))[0])
+            result["commit"] = git_publish(order, f"HEAD:{branch}", f"cloud_flow: {', '.join(order)}")
+        return result
 
 
 @flow(name="device_flow", log_prints=True)
@@ -185,23 +190,24 @@ def device_flow(preset: str | None = None, stages: list[str] | None = None, para
                 fleet_id: str | None = None) -> dict:
     """A device's part: the cloud's models in, the on-device stages under the device's preset (presets/<name>.yaml)
     and the run's params overrides, results out."""
-    graph = stage_graph()
-    chosen = load_preset(preset) if preset else None   # a wrong name fails here, before anything moves
-    order = choose(stages or (chosen and chosen.stages) or device_stages(graph), graph)
-    result = {"device": device_id(), "preset": preset, "stages": order, "pulled_bytes": 0, "pushed_bytes": 0,
-              "commit": None}
-    if pull:
-        git_pull(branch, device_stages(graph))
-        needed = [s for s in CLOUD_STAGES if s in {u for s in order for u in stages_for(s, graph)}]
-        result["pulled_bytes"] = dvc_pull(needed + [p for p in incoming_files() if p.endswith(".dvc")])
-    env = configure(chosen, params, flow_env("device_flow", device_id=device_id(), fleet_id=fleet_id or ""))
-    run_stages(order, env)
-    if push:
-        cached = split_by_store(stage_outputs(order))[0]
-        result["pushed_bytes"] = dvc_push([p for p in cached if share_activation_cache or p != ACTIVATION_CACHE])
-        result["commit"] = git_publish(order, f"devices/{device_id()}", f"device_flow on {device_id()}")
-    result["metrics"] = _headline(order)
-    return result
+    with clone_lock("device_flow"):
+        graph = stage_graph()
+        chosen = load_preset(preset) if preset else None   # a wrong name fails here, before anything moves
+        order = choose(stages or (chosen and chosen.stages) or device_stages(graph), graph)
+        result = {"device": device_id(), "preset": preset, "stages": order, "pulled_bytes": 0, "pushed_bytes": 0,
+                  "commit": None}
+        if pull:
+            git_pull(branch, device_stages(graph))
+            needed = [s for s in CLOUD_STAGES if s in {u for s in order for u in stages_for(s, graph)}]
+            result["pulled_bytes"] = dvc_pull(needed + [p for p in incoming_files() if p.endswith(".dvc")])
+        env = configure(chosen, params, flow_env("device_flow", device_id=device_id(), fleet_id=fleet_id or ""))
+        run_stages(order, env)
+        if push:
+            cached = split_by_store(stage_outputs(order))[0]
+            result["pushed_bytes"] = dvc_push([p for p in cached if share_activation_cache or p != ACTIVATION_CACHE])
+            result["commit"] = git_publish(order, f"devices/{device_id()}", f"device_flow on {device_id()}")
+        result["metrics"] = _headline(order)
+        return result
 
 
 def incoming_files() -> list[str]:
@@ -247,26 +253,27 @@ def retrain_flow(preset: str | None = None, params: dict | None = None, pull: bo
     """Scheduled: when data/incoming holds new labelled samples (dropped here, or pulled), re-run the
     fine-tuning stages that read it (and what depends on them) under the device's preset, then push;
     otherwise do nothing."""
-    graph = stage_graph()
-    chosen = load_preset(preset) if preset else None
-    if pull:
-        git_pull(branch, device_stages(graph))
-        dvc_pull([p for p in incoming_files() if p.endswith(".dvc")])
-    env = configure(chosen, params, flow_env("retrain_flow", device_id=device_id()))
-    new_data = track_new_data()
-    todo = retrain_targets(graph)
-    result = {"device": device_id(), "new_data": new_data, "retrained": todo, "pushed_bytes": 0, "commit": None}
-    if not todo:
-        get_run_logger().info("nothing to retrain: %s and the fine-tuning stages are up to date", INCOMING)
+    with clone_lock("retrain_flow"):
+        graph = stage_graph()
+        chosen = load_preset(preset) if preset else None
+        if pull:
+            git_pull(branch, device_stages(graph))
+            dvc_pull([p for p in incoming_files() if p.endswith(".dvc")])
+        env = configure(chosen, params, flow_env("retrain_flow", device_id=device_id()))
+        new_data = track_new_data()
+        todo = retrain_targets(graph)
+        result = {"device": device_id(), "new_data": new_data, "retrained": todo, "pushed_bytes": 0, "commit": None}
+        if not todo:
+            get_run_logger().info("nothing to retrain: %s and the fine-tuning stages are up to date", INCOMING)
+            return result
+        run_stages(todo, env)
+        if push:
+            incoming = [p for p in incoming_files() if p.endswith(".dvc")]
+            result["pushed_bytes"] = dvc_push([*incoming, *split_by_store(stage_outputs(todo))[0]])
+            result["commit"] = git_publish(todo, f"devices/{device_id()}", f"retrain_flow on {device_id()}",
+                                           extra=incoming_files())
+        result["metrics"] = _headline(todo)
         return result
-    run_stages(todo, env)
-    if push:
-        incoming = [p for p in incoming_files() if p.endswith(".dvc")]
-        result["pushed_bytes"] = dvc_push([*incoming, *split_by_store(stage_outputs(todo))[0]])
-        result["commit"] = git_publish(todo, f"devices/{device_id()}", f"retrain_flow on {device_id()}",
-                                       extra=incoming_files())
-    result["metrics"] = _headline(todo)
-    return result
 
 
 @task(task_run_name="device_flow on {device}")

@@ -19,6 +19,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 
 import yaml
@@ -35,6 +36,8 @@ PI = "pi-01"
 # What the sandbox's device run executes: every device stage but fine-tuning's runs (five methods) and the
 # edge-cloud evaluation (it starts a model server) and the report, to keep the run short.
 DEVICE_STAGES = [s for s in registry.names("device") if s not in ("finetune", "evaluate_edge_cloud", "report")]
+
+RETRAIN_HOUR = (datetime.now(UTC).hour + 12) % 24
 
 # CI-sized params: tiny models and datasets, one epoch, CPU; every stage still runs its real code.
 QUICK = {
@@ -54,6 +57,9 @@ QUICK = {
     "meanet": {"main": "mobilenet_v2-w0.25", "cloud": "vgg11-w0.125", "extension_blocks": 1, "budget": "8MB",
                "max_batch": 32, "epochs": 1, "max_train_samples": 400, "evals_per_epoch": 1, "max_test_samples": 200,
                "sweep": 3},
+    # retrain_flow's cron half a day from now: its runs are scheduled (tests see them) but none comes due while
+    # the sandbox runs, so no run the test did not start changes the device's clone
+    "orchestration": {"retrain_cron": f"0 {RETRAIN_HOUR} * * *", "timezone": "UTC"},
 }
 
 

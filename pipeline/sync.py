@@ -7,10 +7,14 @@ push`/`dvc pull` with the bytes they move, `git pull` that keeps this clone's ow
 """
 from __future__ import annotations
 
+import fcntl
 import json
+import logging
 import os
 import socket
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
@@ -19,6 +23,7 @@ from edgeflux.environ import offline_env
 
 os.environ.update(offline_env())   # before prefect reads its settings: no telemetry, no heartbeat traceback
 from prefect import get_run_logger, task  # noqa: E402
+from prefect.exceptions import MissingContextError  # noqa: E402
 
 # --- commands ----------------------------------------------------------------------------------------
 
@@ -41,6 +46,44 @@ def _git_identity() -> dict[str, str]:
     who = f"edgeflux@{socket.gethostname()}"
     return {"GIT_AUTHOR_NAME": "edgeflux", "GIT_AUTHOR_EMAIL": who,
             "GIT_COMMITTER_NAME": "edgeflux", "GIT_COMMITTER_EMAIL": who}
+
+
+def _logger():
+    """The flow run's logger (its lines reach the Prefect UI); this module's outside a run."""
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger(__name__)
+
+
+# --- one flow at a time in a clone ----------------------------------------------------------------------
+
+CLONE_LOCK = Path(".edgeflux/flow.lock")
+
+
+@contextmanager
+def clone_lock(flow_name: str) -> Iterator[None]:
+    """Hold this clone (the working directory) for one flow run; another flow run waits here until it ends.
+
+    A clone's git index, dvc.lock and outputs are one working copy: a scheduled retrain_flow starting while
+    a device_flow pulls or trains would fail on git's or DVC's own locks, or worse, train on half-pulled
+    files. A worker started with Prefect's defaults runs several flow runs at once, so the flows hold the
+    clone themselves (fcntl.flock: released by the kernel when the run's process dies, so a killed run
+    leaves no stale lock)."""
+    CLONE_LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with CLONE_LOCK.open("a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            _logger().warning("waiting for the clone: %s is running in %s", f.read().strip() or "another flow",
+                                     Path.cwd())
+            fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        f.truncate()
+        f.write(f"{flow_name} (pid {os.getpid()})\n")
+        f.flush()
+        yield
 
 
 # --- what a stage owns ---------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from edgeflux.auth import client_env
-from pipeline.sandbox import CI_PRESET, CI_PRESET_FILE, DEVICE_STAGES, PI, sandbox, sh
+from pipeline.sandbox import CI_PRESET, CI_PRESET_FILE, DEVICE_STAGES, PI, RETRAIN_HOUR, sandbox, sh
 
 pytestmark = pytest.mark.slow
 
@@ -35,9 +35,16 @@ def system(tmp_path_factory):
 
 
 def run_deployment(system, name: str, params: dict | None = None, watch: bool = True) -> subprocess.CompletedProcess:
+    """`prefect deployment run`; a failed run's output ends with the workers' last log lines, where the
+    failing task's exception is (the CLI prints only the states)."""
     args = f" --params '{json.dumps(params)}'" if params else ""
-    return sh(f"prefect deployment run {name}{args}" + (" --watch --watch-interval 2" if watch else ""),
-              system["root"], env=system["env"], check=False, timeout=1200)
+    out = sh(f"prefect deployment run {name}{args}" + (" --watch --watch-interval 2" if watch else ""),
+             system["root"], env=system["env"], check=False, timeout=1200)
+    if out.returncode != 0:
+        logs = [f"--- {w.log_path.name} ---\n{w.log_path.read_text(errors='replace')[-2500:]}"
+                for w in system["workers"].values() if w.log_path.is_file()]
+        out.stdout = out.stdout[-1000:] + "\n" + "\n".join(logs)
+    return out
 
 
 def md5_of(lock_entry: dict, path: str) -> str:
@@ -102,7 +109,7 @@ def test_cron_deployment_creates_scheduled_runs(system):
                 break
             time.sleep(2)
     assert runs, "the scheduler created no run for retrain_flow within 60 s"
-    assert all(r.expected_start_time.hour == 3 and r.expected_start_time.minute == 0 for r in runs)
+    assert all(r.expected_start_time.hour == RETRAIN_HOUR and r.expected_start_time.minute == 0 for r in runs)
 
 
 def test_fleet_run_fans_out_to_device_queues_and_collects_metrics(system):
