@@ -34,7 +34,7 @@ def main(args, params) -> None:
     with stage_run("pretrain", p.model_dump()) as run:
         for spec in p.models:
             build_args = spec.build_args(len(data.classes), train[0].shape[1], train[0].shape[-1], p.seed)
-            model = build_model(**build_args, pretrained_path=spec.pretrained_path)
+            model = build_model(**build_args, pretrained_path=spec.weights_path())
             result = train_under_budget(model, train, val, test, p, TrainRun(
                 device, checkpoint=CHECKPOINTS / f"{spec.key}.pt", desc=f"pretrain {spec.key}"))
             summary[spec.key] = result.metrics()

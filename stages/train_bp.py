@@ -36,7 +36,7 @@ def main(args, params) -> None:
     train = tensors(data, "target_train", limit=p.max_train_samples)
     build_args = p.model.build_args(len(data.classes), train[0].shape[1], train[0].shape[-1], p.seed)
     with stage_run("train_bp", p.model_dump()) as run:
-        model = build_model(**build_args, pretrained_path=p.model.pretrained_path)
+        model = build_model(**build_args, pretrained_path=p.model.weights_path())
         run_settings = TrainRun(device, checkpoint=CHECKPOINT, desc="train_bp", context=p.bittrain.context)
         result = train_under_budget(model, train, tensors(data, "target_val"), tensors(data, "target_test"), p,
                                     run_settings, memory=p)

@@ -13,4 +13,5 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "units": ["UNIT_KINDS", "UnitInfo", "UnitModel", "count_params", "eval_mode"],
     "vgg": ["VGG_CFGS", "scale_channels"],
     "weights": ["WeightsFileNotFoundError", "load_torchvision_weights"],
+    "torchvision_arch": ["WeightsError", "build_torchvision", "load_strict"],
 })

@@ -12,6 +12,7 @@ from .mobilenet import build_mobilenet
 from .resnet import build_resnet18
 from .units import UnitModel, count_params
 from .spec import MODEL_NAMES
+from .torchvision_arch import build_torchvision
 from .vgg import build_vgg
 from .weights import load_torchvision_weights
 
@@ -57,8 +58,10 @@ def build_model(
     batch_norm: bool = True,
     pretrained_path: str | Path | None = None,
     seed: int | None = None,
+    arch: str = "zoo",
 ) -> UnitModel:
-    """Build zoo model `name` as a UnitModel.
+    """Build zoo model `name` as a UnitModel (``arch="torchvision"``: torchvision's architecture as it is,
+    edgeflux/models/torchvision_arch.py, with ``pretrained_path`` loaded strictly; width and batch_norm unused).
 
     seed: initialise the weights from this seed (the global RNG is left as it was), so the same
     params give the same model in every run; None draws from the global RNG.
@@ -67,6 +70,11 @@ def build_model(
     width_mult). batch_norm=False exists for VGG only (BitTrain's BN-free variant).
     pretrained_path: a torchvision state_dict file to map onto the model (never downloaded).
     """
+    if arch == "torchvision":
+        with torch.random.fork_rng(devices=[], enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            return build_torchvision(name, num_classes, in_channels, image_size, pretrained_path)
     if name not in BUILDERS:
         raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(MODEL_NAMES)}")
     if not (isinstance(width, (int, float)) and math.isfinite(width) and width > 0):
