@@ -47,6 +47,7 @@ from edgeflux.checkpoint import (load_checkpoint, rng_state, run_signature, save
 from edgeflux.data import Images, batches
 from edgeflux.errors import UserError
 from edgeflux.models.units import eval_mode, train_mode
+from edgeflux.memory.blocks import split_blocks_exactly
 from edgeflux.memory.bound import StoredBound
 from edgeflux.memory.options import MemoryOptions
 from edgeflux.options import LR_SCALINGS, OPTIMIZER_NAMES, TrainOptions
@@ -206,6 +207,8 @@ def train_loop(step: Step, batches: Callable[[int], Iterable[tuple[Tensor, Tenso
     if result is None:
         result = TrainResult()
         torch.manual_seed(schedule.seed)
+    if loop.device.type == "cuda":
+        split_blocks_exactly()   # as where the step was measured: its peak does not depend on what came before
     train_mode(step.model)
     with progress_bar() as progress:
         task = progress.add_task(run.desc, total=total, completed=result.epochs_done * steps_per_epoch, status="")

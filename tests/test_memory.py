@@ -496,3 +496,48 @@ def test_measured_peak_is_the_allocators_real_peak_of_the_plain_step(name, width
     assert real <= measured <= 1.01 * real, (measured, real)
     if name == "vgg16":   # why the figure is the allocator's: live tensors alone are below the real peak
         assert live_tensor_peak(model, memory.TrainStep.factory(sgd_momentum), (x, y), (x, y)) < real
+
+
+# ----------------------------------------------------------------------------- CUDA blocks split to the request
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """edgeflux.memory.blocks on a CPU machine: CUDA 'available', the native allocator, its settings recorded."""
+    from edgeflux.memory import blocks
+
+    settings: list[str] = [""]   # what was set, in order; the last is live
+    monkeypatch.setattr(blocks, "_state", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "native")
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: settings[-1], raising=False)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", settings.append, raising=False)
+    return blocks, settings
+
+
+def test_cuda_blocks_are_split_to_the_request_once_per_process(fake_cuda):
+    """The measured step and the training loop both call it: the allocator's figure for a step must not
+    depend on what the process allocated before (a cached block up to 1 MiB larger is otherwise handed out
+    whole, and counted; bench/results/cuda_budget_probe_cuda.md)."""
+    blocks, settings = fake_cuda
+    settings[0] = "max_split_size_mb:128"   # the user's other settings stay (a string set replaces them all)
+    assert blocks.split_blocks_exactly() and blocks.split_blocks_exactly()
+    assert settings[1:] == ["max_split_size_mb:128,expandable_segments:True"]
+
+
+@pytest.mark.parametrize("value, expected", [("False", False), ("True", True)])
+def test_cuda_blocks_follow_an_explicit_allocator_setting(fake_cuda, monkeypatch, caplog, value, expected):
+    blocks, settings = fake_cuda
+    settings[0] = f"max_split_size_mb:128, expandable_segments:{value}"
+    assert blocks.split_blocks_exactly() is expected
+    assert len(settings) == 1   # the user's choice stands; turned off, it is said why that matters
+    assert ("can then be exceeded" in caplog.text) is (not expected)
+
+
+def test_cuda_blocks_are_left_alone_without_cuda_or_with_another_backend(fake_cuda, monkeypatch):
+    blocks, settings = fake_cuda
+    monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "cudaMallocAsync")
+    assert blocks.split_blocks_exactly() is False
+    monkeypatch.setattr(blocks, "_state", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert blocks.split_blocks_exactly() is False
+    assert len(settings) == 1

@@ -12,6 +12,9 @@ What is measured, and how (one module per job):
   allocator's events over the plain step (``allocator``). Tensors that exist before the step
   (parameters, buffers, optimizer state, the batch) count from the start.
   ``measure_training_step`` measures the step a trainer runs (built by the same factory) on a copy.
+* ``blocks``: the CUDA caching allocator set to split its blocks to the request (expandable segments)
+  before a step is measured and before the training loop runs, so that the figure does not depend on
+  what the process allocated before (``split_blocks_exactly``).
 * ``tracker``: the exact peak of live tensor bytes in any code (a ``TorchDispatchMode``), e.g. what a
   bitmap holds; not the training step's figure (it misses scratch, and a dispatch mode changes the step).
 * ``saved``: bytes saved for backward, counted in ``torch.autograd.graph.saved_tensors_hooks``,
@@ -31,6 +34,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "edgeflux.step": ["StepContext", "TrainStep", "no_context", "training_step_fn"],
     "budget": ["CONTENT_SAMPLES", "BatchChoice", "BatchFit", "BudgetTooSmallError", "choose_batch", "fit_linear",
                "largest_over_batches", "max_batch_under_budget"],
+    "blocks": ["split_blocks_exactly"],
     "bound": ["StoredBound", "StoredOverBudget", "stored_bounds"],
     "options": ["MemoryOptions"],
     "process": ["retain_freed_heap"],

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from edgeflux.models.units import train_mode
 from edgeflux.step import StepContext, StepFactory, TrainStep
 
+from .blocks import split_blocks_exactly
 from .process import RssSampler, uss_bytes
 from .allocator import alive_at_peak_and_end, allocator_events, data_pointers, peak_of
 from .saved import count_saved_tensors
@@ -186,7 +187,9 @@ def _collector_paused(full: bool) -> Iterator[None]:
 
 
 def _cuda_peak(step: Callable[[], Any], device: torch.device) -> int:
-    """Peak bytes the CUDA caching allocator handed to tensors during `step()`."""
+    """Peak bytes the CUDA caching allocator handed to tensors during `step()`, its blocks split to the
+    request (edgeflux.memory.blocks), as in the training loop."""
+    split_blocks_exactly()
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)   # the peak restarts at what is allocated now
     step()
@@ -208,6 +211,8 @@ def measure_training_step(model: nn.Module, make_step: StepFactory, warmup: tupl
     generator: the same batch measures the same every time, and the trainer's random stream is left as it was.
     """
     device = torch.device(device)
+    if device.type == "cuda":   # before the copy and the warm-up step allocate: their blocks are exact too
+        split_blocks_exactly()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)
         net = train_mode(copy.deepcopy(model).to(device))
