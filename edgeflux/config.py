@@ -25,11 +25,11 @@ from edgeflux.errors import UserError
 from edgeflux.finetune.options import FinetuneOptions, parse_method
 from edgeflux.memory.options import MemoryOptions
 from edgeflux.models.spec import ModelSpec
-from edgeflux.neuroflux.options import AUX_MODES, CacheOptions as CacheParams
-from edgeflux.options import Bytes, Options as _Section, TrainOptions, parse_bytes
+from edgeflux.neuroflux.options import AUGMENT_REFUSED, AUX_MODES, CacheOptions as CacheParams
+from edgeflux.options import AugmentOptions, Bytes, Options as _Section, TrainOptions, parse_bytes
 
 __all__ = ["BitTrainParams", "Bytes", "CacheParams", "DataParams", "DeviceParams", "FinetuneParams", "MEANetParams", "MemoryOptions", "ModelSpec", "NeuroFluxParams",
-           "Params", "ParamsError", "PretrainParams", "ReportParams", "TrainBPParams", "TrainOptions", "load_params",
+           "ExportParams", "Params", "ParamsError", "PretrainParams", "ReportParams", "TrainBPParams", "TrainOptions", "load_params",
            "parse_bytes", "validate"]
 
 
@@ -87,6 +87,13 @@ class NeuroFluxParams(TrainOptions, MemoryOptions):
     cache: CacheParams = CacheParams()
     exit_tolerance: float = Field(0.005, ge=0, le=1)   # accuracy (0.005 = 0.5 points)
     throughput_batch: int = Field(64, ge=1)
+
+    @field_validator("augment")
+    @classmethod
+    def _no_augment(cls, augment: AugmentOptions) -> AugmentOptions:
+        if augment.enabled:
+            raise ValueError(AUGMENT_REFUSED)
+        return augment
 
     @field_validator("profile_batches")
     @classmethod
@@ -167,6 +174,13 @@ class ReportParams(_Section):
     target_acc: float = Field(0.8, gt=0, le=1)
 
 
+class ExportParams(_Section):
+    """Stage export: every trained device model as ONNX and torch.export files (edgeflux/export.py)."""
+    batch: int = Field(32, ge=1)    # the test split's first `batch` images: what each file is checked on
+    exporter: Literal["torchscript", "dynamo"] = "torchscript"   # <name>.ts or <name>.pt2 beside the .onnx
+    registry: bool = True           # each ONNX file also a new version in MLflow's model registry
+
+
 CRON_FIELD = r"[\d*/,\-]+|[A-Za-z]{3}"   # numbers, ranges, steps, lists, or a month/day name
 
 
@@ -195,6 +209,7 @@ class Params(_Section):
     finetune: FinetuneParams | None = None
     meanet: MEANetParams | None = None
     report: ReportParams = ReportParams()
+    export: ExportParams = ExportParams()
     orchestration: OrchestrationParams = OrchestrationParams()
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 _UNITS = {
     "B": 1,
@@ -62,6 +62,25 @@ OPTIMIZER_NAMES = ("sgd", "adam")   # edgeflux.train.OPTIMIZERS builds them
 LR_SCALINGS = {"constant": lambda ratio: 1.0, "linear": lambda ratio: ratio, "sqrt": lambda ratio: ratio ** 0.5}
 
 
+class AugmentOptions(Options):
+    """Random augmentation of the training batches (edgeflux.data.feed.augment_pixels); evaluation never is.
+
+    scale: the share of the image's area a random-resized crop keeps, drawn uniformly from [lo, hi]. torchvision's
+    ImageNet default is [0.08, 1]; small fine-tuning sets lose too much of each image at that, hence [0.35, 1].
+    """
+
+    enabled: bool = False
+    scale: list[float] = [0.35, 1.0]
+    flip: bool = True   # horizontal flip of half the images
+
+    @field_validator("scale")
+    @classmethod
+    def _area_range(cls, scale: list[float]) -> list[float]:
+        if len(scale) != 2 or not 0 < scale[0] <= scale[1] <= 1:
+            raise ValueError("scale is [lo, hi] with 0 < lo <= hi <= 1, e.g. [0.35, 1.0]")
+        return scale
+
+
 class TrainOptions(Options):
     """Options every trainer shares, so that stages read the same names."""
 
@@ -79,6 +98,7 @@ class TrainOptions(Options):
     evals_per_epoch: int = Field(2, ge=1)
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    augment: AugmentOptions = AugmentOptions()   # of the training batches only; off by default
 
     def lr_for(self, batch: int) -> float:
         """The learning rate of a run at `batch` (lr_scaling from lr_reference_batch)."""

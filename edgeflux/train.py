@@ -285,8 +285,8 @@ def fit(model: nn.Module, train: tuple[Tensor | Images, Tensor], val: tuple[Tens
     """Backprop: train ``model`` in place for ``opts.epochs`` epochs at ``batch_size`` through train_loop.
 
     run: how the run is carried out (TrainRun: device, checkpoint, context, loss_fn, hooks, ...). Each epoch's
-    shuffle is seeded by (opts.seed, epoch). test: the split evaluated at every evaluation point when
-    ``run.track_test``.
+    shuffle, and its augmentation with opts.augment (training batches only), is seeded by (opts.seed, epoch).
+    test: the split evaluated at every evaluation point when ``run.track_test``.
     """
     run = run or TrainRun()
     device = torch.device(run.device)
@@ -303,7 +303,7 @@ def fit(model: nn.Module, train: tuple[Tensor | Images, Tensor], val: tuple[Tens
 
     schedule = Schedule(opts.epochs, math.ceil(len(x_train) / batch_size), opts.evals_per_epoch, opts.seed)
     result = train_loop(step, lambda epoch: batches(x_train, y_train, batch_size, shuffle=True,
-                                                    seed=opts.seed * 1000 + epoch),
+                                                    seed=opts.seed * 1000 + epoch, augment=opts.augment),
                         schedule, evaluate_now,
                         replace(run, device=device, signature=_fit_signature(opts, batch_size, context, train, val, run)),
                         run.make_before_step(step, train, batch_size) if run.make_before_step else None)

@@ -17,9 +17,11 @@ OUT = Path("data/prepared")
 def main(args, params) -> None:
     p = params.data
     with stage_run("prepare", p.model_dump()) as run:
-        raw = load_raw(p.dataset, root=p.root, download=p.download)
+        raw = load_raw(p.dataset, root=p.root, download=p.download, image_size=p.image_size, channels=p.channels,
+                       test_fraction=p.test_fraction)
         data = prepare(raw, image_size=p.image_size, channels=p.channels, val_fraction=p.val_fraction, seed=p.seed,
-                       split_by=p.split_by, source_fraction=p.source_fraction, source_classes=p.source_classes)
+                       split_by=p.split_by, source_fraction=p.source_fraction, source_classes=p.source_classes,
+                       normalize=p.normalize)
         save_prepared(data, OUT)
         run.log_metrics({f"n_{name}": len(idx) for name, idx in data.splits.items()})
         run.log_metrics({"peak_rss_bytes": peak_rss_bytes()})

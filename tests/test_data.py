@@ -188,6 +188,8 @@ def test_mnist_subset_is_a_fixed_stratified_4000_1000_split(subset):
 
 
 def test_imagefolder_loads_train_and_test(tmp_path, subset):
+    """Real digits as PNGs in train/ and test/: at their own size (28) fitting leaves their pixels as they were.
+    tests/test_imagefolder.py tests the layouts, resizing, skipping and errors on generated images."""
     from PIL import Image
 
     picks = {"zero": 0, "three": 3, "seven": 7}
@@ -201,7 +203,7 @@ def test_imagefolder_loads_train_and_test(tmp_path, subset):
             for i, idx in enumerate(torch.nonzero(labels == digit)[:per, 0].tolist()):
                 Image.fromarray(images[idx, 0].numpy()).save(tmp_path / split / name / f"{i}.png")
                 expected[split].append((sorted(picks).index(name), images[idx]))
-    raw = load_raw("imagefolder", root=tmp_path)
+    raw = load_raw("imagefolder", root=tmp_path, image_size=28)
     assert raw.classes == ["seven", "three", "zero"]  # ImageFolder sorts class folders
     assert raw.train_images.shape == (12, 3, 28, 28) and raw.test_images.shape == (6, 3, 28, 28)
     for split in ("train", "test"):
@@ -212,13 +214,15 @@ def test_imagefolder_loads_train_and_test(tmp_path, subset):
         assert got == sorted((label, bytes(img[0].numpy())) for label, img in expected[split])
     # PNGs are lossless and grey: the three decoded channels are identical.
     assert torch.equal(raw.train_images[:, 0], raw.train_images[:, 2])
+    gray = load_raw("imagefolder", root=tmp_path, image_size=28, channels=1)
+    assert gray.train_images.shape == (12, 1, 28, 28) and torch.equal(gray.train_images[:, 0], raw.train_images[:, 0])
 
 
-def test_imagefolder_errors_explain_the_layout(tmp_path):
+def test_imagefolder_errors_name_the_layouts(tmp_path):
     (tmp_path / "train" / "a").mkdir(parents=True)
-    with pytest.raises(DatasetNotFoundError, match=r"<root>/test/<class name>"):
+    with pytest.raises(DatasetFormatError, match=r"no test/.*<class>/<images>"):
         load_raw("imagefolder", root=tmp_path)
-    with pytest.raises(DatasetNotFoundError, match="data.root"):
+    with pytest.raises(DatasetNotFoundError, match=r"data.root.*<root>/<class>/<images>"):
         load_raw("imagefolder")
 
 

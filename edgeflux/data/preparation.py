@@ -1,10 +1,11 @@
 """Preparing a raw dataset for every model: one image size and channel count, deterministic splits.
 
-prepare() converts all images in bulk (pad, antialiased resize, RGB <-> gray) into one uint8 tensor,
-carves class-stratified splits from a seed (train/val/test and the source_*/target_* splits of transfer
+prepare() converts all images in bulk (pad, antialiased resize, RGB <-> gray) into one uint8 tensor
+(images a loader already brought to that size, as imagefolder's, are used without a copy), carves
+class-stratified splits from a seed (train/val/test and the source_*/target_* splits of transfer
 learning) and computes the normalisation statistics on the train split only, so no evaluation image
-leaks into them. The manifest records every setting and a hash of every source file, so the output
-names exactly what it was made from.
+leaks into them, or takes ImageNet's, which models trained from ImageNet weights expect. The manifest
+records every setting and a hash of every source file, so the output names exactly what it was made from.
 """
 
 from __future__ import annotations
@@ -15,12 +16,17 @@ from pathlib import Path
 
 import torch
 
-from edgeflux.data.images import CHUNK_BYTES, convert_into
-from edgeflux.data.load import RawDataset
+from edgeflux.data.images import CHUNK_BYTES, LUMA_601, convert_into
+from edgeflux.data.raw import RawDataset
 from edgeflux.data.splits import DataParamsError, make_splits
 from edgeflux.data.store import _FORMAT_VERSION, PreparedData
 
 log = logging.getLogger(__name__)
+
+# torchvision's ImageNet statistics (its pretrained weights' ImageClassification transforms), on the [0, 1] scale.
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
 
 def prepare(
     raw: RawDataset,
@@ -31,32 +37,30 @@ def prepare(
     split_by: str = "data",
     source_fraction: float = 0.5,
     source_classes: list[int] | None = None,
+    normalize: str = "dataset",
 ) -> PreparedData:
     """Resize/pad to `image_size`, convert to `channels` (None: native) and split deterministically.
 
     Splits, all stratified by class and shuffled by `seed`: "train"/"val" from the original
-    training set (val is `val_fraction` of it, per class within one image of exact), "test" is
-    the original test set (same images, shuffled order so that a prefix is a fair sample).
+    training set (val is `val_fraction` of it, per class within one image of exact; a dataset's own
+    val set, raw.given_val, instead when it has one), "test" is the original test set (same images,
+    shuffled order so that a prefix is a fair sample).
     Transfer-learning splits source_*/target_* for train, val and test:
       split_by="data":    train and val split per class by `source_fraction`; test shared.
       split_by="classes": by membership of the label in `source_classes` (default: first half).
       split_by="none":    source_* and target_* are the full splits.
+    normalize: "dataset" (mean/std of the train split) or "imagenet" (IMAGENET_MEAN/STD).
     """
     _check_raw(raw)
     n_classes = len(raw.classes)
-    native_c, native_h, native_w = raw.train_images.shape[1:]
+    native_c = raw.train_images.shape[1]
     out_c, source_classes = _check_params(native_c, n_classes, image_size, channels, val_fraction, split_by,
-                                          source_fraction, source_classes)
-
-    n_train, n_test = len(raw.train_labels), len(raw.test_labels)
-    images = torch.empty((n_train + n_test, out_c, image_size, image_size), dtype=torch.uint8)
-    resize = convert_into(raw.train_images, images[:n_train])
-    convert_into(raw.test_images, images[n_train:])
+                                          source_fraction, source_classes, normalize)
+    images, resize = _output_images(raw, out_c, image_size)
     labels = torch.cat([raw.train_labels, raw.test_labels]).to(torch.int64)
-    splits = make_splits(raw.train_labels, labels, val_fraction, seed, split_by, source_fraction, source_classes)
-    train, val, test = splits["train"], splits["val"], splits["test"]
-
-    mean, std = _channel_stats(images, train)
+    splits = make_splits(raw.train_labels, labels, val_fraction, seed, split_by, source_fraction, source_classes,
+                         raw.given_val)
+    mean, std = _channel_stats(images, splits["train"]) if normalize == "dataset" else imagenet_stats(out_c)
     manifest = {
         "format": _FORMAT_VERSION,
         "dataset": raw.name,
@@ -66,21 +70,59 @@ def prepare(
         "image_size": image_size,
         "channels": out_c,
         "native_channels": native_c,
-        "native_size": [native_h, native_w],
-        "resize": resize,
-        "val_fraction": val_fraction,
+        "native_size": list(raw.train_images.shape[2:]),
+        "resize": raw.notes.get("resize", resize) if resize == "none" else resize,   # the loader's, if it resized
+        "val_fraction": None if raw.given_val else val_fraction,
         "split_by": split_by,
         "source_fraction": source_fraction if split_by == "data" else None,
         "source_classes": source_classes,
+        "normalize": normalize,
         "mean": mean,
         "std": std,
         "counts": _counts(splits, labels, n_classes),
+        **({"loader": raw.notes} if raw.notes else {}),
     }
     log.info(
         "%s: %d train / %d val / %d test images, %dx%dx%d (%s), split_by=%s",
-        raw.name, len(train), len(val), len(test), out_c, image_size, image_size, resize, split_by,
+        raw.name, len(splits["train"]), len(splits["val"]), len(splits["test"]), out_c, image_size, image_size,
+        manifest["resize"], split_by,
     )
     return PreparedData(raw.name, list(raw.classes), images, labels, splits, mean, std, manifest)
+
+
+def imagenet_stats(channels: int) -> tuple[list[float], list[float]]:
+    """IMAGENET_MEAN/STD for `channels`; for gray images the luma-weighted (LUMA_601) mean of the three, since a
+    gray pixel is that weighting of R, G and B (the std so weighted is an approximation: channels correlate)."""
+    if channels == 3:
+        return list(IMAGENET_MEAN), list(IMAGENET_STD)
+    return ([sum(w * m for w, m in zip(LUMA_601, IMAGENET_MEAN))],
+            [sum(w * s for w, s in zip(LUMA_601, IMAGENET_STD))])
+
+
+def _output_images(raw: RawDataset, out_c: int, size: int) -> tuple[torch.Tensor, str]:
+    """All images, train first, at `size` and `out_c` channels, and how they were resized.
+
+    Raw images already at that size and channel count in one buffer, train then test (imagefolder decodes into
+    one), are used as they are: a converted copy would double the peak memory of preparing a folder of photos.
+    """
+    train, test = raw.train_images, raw.test_images
+    if train.shape[1:] == (out_c, size, size) and (joined := _adjacent(train, test)) is not None:
+        return joined, "none"
+    images = torch.empty((len(train) + len(test), out_c, size, size), dtype=torch.uint8)
+    resize = convert_into(train, images[: len(train)])
+    convert_into(test, images[len(train) :])
+    return images, resize
+
+
+def _adjacent(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """a and b as one tensor without a copy when b follows a in the same storage (both contiguous), else None."""
+    if not (a.is_contiguous() and b.is_contiguous()):
+        return None
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return None
+    if b.storage_offset() != a.storage_offset() + a.numel():
+        return None
+    return a.as_strided((len(a) + len(b), *a.shape[1:]), a.stride(), a.storage_offset())
 
 
 def _counts(splits: dict[str, torch.Tensor], labels: torch.Tensor, n_classes: int) -> dict[str, dict]:
@@ -98,6 +140,7 @@ def _check_params(
     split_by: str,
     source_fraction: float,
     source_classes: list[int] | None,
+    normalize: str = "dataset",
 ) -> tuple[int, list[int] | None]:
     """prepare()'s settings checked against the dataset: (output channels, sorted source classes).
 
@@ -110,6 +153,8 @@ def _check_params(
     out_c = native_c if channels is None else channels
     if out_c != native_c and native_c not in (1, 3):
         raise DataParamsError(f"data.channels: cannot convert {native_c}-channel images to {out_c} channels (only 1 <-> 3)")
+    if normalize not in ("dataset", "imagenet"):
+        raise DataParamsError(f"data.normalize must be 'dataset' or 'imagenet', got {normalize!r}")
     if not 0 < val_fraction < 1:
         raise DataParamsError(f"data.val_fraction must be in (0, 1), got {val_fraction!r}")
     if split_by not in ("data", "classes", "none"):
@@ -156,7 +201,9 @@ def _channel_stats(images: torch.Tensor, idx: torch.Tensor) -> tuple[list[float]
     """Exact per-channel mean/std (population) on the [0, 1] scale, via 256-bin histograms."""
     n_c = images.shape[1]
     hist = torch.zeros(n_c, 256, dtype=torch.float64)
-    chunk = max(1, 4 * CHUNK_BYTES // images[0].numel())  # uint8 copies here
+    # CHUNK_BYTES of uint8 images a step: with the channel's copy and bincount's scratch a step holds several times
+    # that, which must stay small beside the dataset (preparing holds the dataset once: see _output_images)
+    chunk = max(1, CHUNK_BYTES // images[0].numel())
     for start in range(0, len(idx), chunk):
         x = images[idx[start : start + chunk]]
         for c in range(n_c):

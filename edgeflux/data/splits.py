@@ -20,16 +20,22 @@ def make_splits(
     split_by: str,
     source_fraction: float,
     source_classes: list[int] | None,
+    given_val: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Index tensors of every split into `labels` (train images first, then test); see prepare().
 
     One generator seeded with `seed` draws every permutation in a fixed order, so a seed names the splits.
+    given_val > 0: the last given_val training images are the dataset's own validation set (imagefolder's val/),
+    taken as the val split instead of carving val_fraction.
     """
     n_train = len(train_labels)
     n_test = len(labels) - n_train
     gen = torch.Generator().manual_seed(seed)
-    train_all = torch.arange(n_train)
-    val, train = stratified_pick(train_all, train_labels, val_fraction, gen)
+    if given_val:
+        train = torch.randperm(n_train - given_val, generator=gen)
+        val = n_train - given_val + torch.randperm(given_val, generator=gen)
+    else:
+        val, train = stratified_pick(torch.arange(n_train), train_labels, val_fraction, gen)
     test = n_train + torch.randperm(n_test, generator=gen)
     if len(train) == 0 or len(val) == 0:
         raise DataParamsError(f"data.val_fraction={val_fraction} leaves an empty train or val split ({n_train} images)")

@@ -16,10 +16,14 @@ from edgeflux.options import Bytes, Options
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["AUX_MODES", "STORAGES", "CacheOptions"]
+__all__ = ["AUGMENT_REFUSED", "AUX_MODES", "STORAGES", "CacheOptions"]
 
 AUX_MODES = ("adaptive", "classic")   # the auxiliary networks (edgeflux.neuroflux.aux)
 STORAGES = ("dense", "float16", "bittrain")
+# Why NeuroFlux refuses augment.enabled: every block after the first trains on its cache of the previous block's
+# outputs for the un-augmented training images, written once, so augmentation could reach the first block only.
+AUGMENT_REFUSED = ("NeuroFlux trains every block after the first on cached activations of the un-augmented training "
+                   "images, so augmentation cannot apply to them; set neuroflux.augment.enabled: false")
 
 _FLOAT32_BYTES = 4   # torch.float32.itemsize: the compute dtype when the caller names none
 

@@ -51,6 +51,7 @@ from edgeflux.neuroflux.results import BlockResult, NeuroFluxRun
 from .aux import LocalLearner
 from .block import BlockStep, LocalBlock, Prefix, evaluate_exits, fit_block_batch, measure_block_peak, out_shape
 from .cache import ActivationCache, Batches, CacheCorruptError, CacheOptions, CacheWriter, TensorSource, cache_hash
+from .options import AUGMENT_REFUSED
 from .partition import Block, UnitDoesNotFitError
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,8 @@ def train_blocks(learners: Sequence[LocalLearner], blocks: Sequence[Block],
     time_limit_s: no new block starts once this much training time is spent (benchmarks cap slow
     baselines this way); the run then has fewer blocks than planned and ``complete`` is False.
     """
+    if opts.augment.enabled:
+        raise ValueError(AUGMENT_REFUSED)
     cache = cache or CacheOptions()
     workdir = Path(workdir)
     settings = _Settings(opts, budget_bytes, cache, use_cache, split_rho, torch.device(device), context or no_context,
