@@ -2,8 +2,8 @@
 
 Chooses the exit with the fewest parameters whose validation accuracy is within
 neuroflux.exit_tolerance of the best exit, exports units[0..exit] + that exit's auxiliary head as
-one nn.Module (models/neuroflux_exit.pt, loadable with torch.load(..., weights_only=False)) and as
-an MLflow model, and reports test accuracy, parameters and inference throughput of the compact
+one nn.Module (models/neuroflux_exit.pt, loadable with torch.load(..., weights_only=False); the export
+stage writes it as ONNX and registers it in MLflow), and reports test accuracy, parameters and inference throughput of the compact
 model vs the full model. Writes metrics/select_exit.json and plots/exits.png (accuracy and
 parameters per exit).
 """
@@ -55,7 +55,6 @@ def main(args, params) -> None:
             k: k for k in ("test_acc", "params", "full_test_acc", "full_params", "compression", "speedup")})
         save_torch(MODEL, compact)
         plot_exits(meta["unit_names"], val_acc, test_acc, params_per_exit, k, PLOT)
-        run.log_model(compact, "neuroflux_exit", example=test[0][:2], registered_name="edgeflux-neuroflux-exit")
         for path in (*written, PLOT):
             run.log_artifact(path)
 

@@ -19,8 +19,9 @@ def test_stage_graph_is_read_from_dvc_yaml():
                      "finetune": {"prepare", "pretrain"}, "meanet_cloud": {"prepare", "pretrain"},
                      "meanet_edge": {"prepare", "meanet_cloud"},
                      "evaluate_edge_cloud": {"prepare", "meanet_cloud", "meanet_edge"},
+                     "export": {"prepare", "train_bp", "train_blocks", "select_exit", "finetune", "meanet_edge"},
                      "report": {"pretrain", "train_bp", "profile", "partition", "train_blocks", "select_exit",
-                                "finetune", "meanet_cloud", "meanet_edge", "evaluate_edge_cloud"}}
+                                "finetune", "meanet_cloud", "meanet_edge", "evaluate_edge_cloud", "export"}}
     assert stages_for("select_exit", graph) == ["prepare", "profile", "partition", "train_blocks", "select_exit"]
     assert stages_for("train_bp", graph) == ["prepare", "train_bp"]
     assert stages_for(None, graph)[-1] == "report"

@@ -66,7 +66,7 @@ def project(project_dir, first_repro):
 
 def test_repro_then_noop_then_exp_run(project, first_repro):
     first = first_repro
-    for stage in ("prepare", "pretrain", "train_bp", *NEUROFLUX, *FINETUNE, *MEANET, "report"):
+    for stage in ("prepare", "pretrain", "train_bp", *NEUROFLUX, *FINETUNE, *MEANET, "export", "report"):
         assert f"Running stage '{stage}'" in first.stdout
     metrics = json.loads((project / "details/train_bp.json").read_text())
     assert metrics["peak_mem_bytes"] <= metrics["budget_bytes"] == 3_000_000
@@ -115,6 +115,15 @@ def test_repro_then_noop_then_exp_run(project, first_repro):
     # MobileTL's top blocks only (its candidates are MobileTL's trainable tensors)
     assert tuned["mobiletl-bittrain"]["saved_stored_bytes"] < tuned["mobiletl-bittrain"]["saved_dense_bytes"]
     assert tuned["elastic-mobiletl"]["train_params"] == tuned["mobiletl"]["train_params"]
+    # export: every trained device model as checked ONNX + TorchScript files, each registered in MLflow
+    exported = json.loads((project / "details/export.json").read_text())["models"]
+    names = ["train_bp", "neuroflux_exit", *(f"finetune-{m.split('@')[1]}" for m in FINETUNE), "meanet_edge"]
+    assert sorted(exported) == sorted(names)
+    for name, check in exported.items():
+        assert check["onnx_max_abs_diff"] <= 1e-4 and check["trace_max_abs_diff"] <= 1e-4, name
+        card = json.loads((project / f"models/export/{name}.json").read_text())
+        assert card["input"]["shape"] == ["batch", 1, 32, 32] and len(card["classes"]) == 10
+        assert (project / f"models/export/{name}.onnx").stat().st_size == card["files"]["onnx"]["bytes"]
     rows = {r["stage"]: r for r in json.loads((project / "reports/summary.json").read_text())["rows"]}
     assert rows["finetune@mobiletl"]["peak_mib"] == round(tuned["mobiletl"]["peak_mem_bytes"] / 2**20, 1)
     assert any(r["pareto"] for r in rows.values())

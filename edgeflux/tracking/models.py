@@ -29,7 +29,26 @@ def log_model(model, name: str, example=None, registered_name: str | None = None
     import mlflow.pytorch
 
     info = mlflow.pytorch.log_model(model, name=name, **_model_kwargs(example))
+    return _register(info, name, registered_name, tags)
+
+
+def log_onnx_model(path: str | Path, name: str, example, registered_name: str, tags: dict | None = None):
+    """The ONNX file at ``path`` logged to the active run as ``name`` (MLflow's onnx flavor: ``mlflow.pyfunc``
+    runs it in onnxruntime) and registered as a new version of ``registered_name``, tagged as log_model does."""
+    import mlflow.onnx
+    import onnx
+
+    info = mlflow.onnx.log_model(onnx.load(str(path)), name=name, input_example=example.detach().cpu().numpy(),
+                                 onnx_execution_providers=["CPUExecutionProvider"],   # what every device has
+                                 pip_requirements=[f"onnxruntime=={_version('onnxruntime')}",
+                                                   f"onnx=={_version('onnx')}"])
+    return _register(info, name, registered_name, tags)
+
+
+def _register(info, name: str, registered_name: str | None, tags: dict | None):
     if registered_name:
+        import mlflow
+
         tags = dict(tags or {})
         if commit := git_commit():
             tags["edgeflux.git_commit"] = commit
@@ -104,3 +123,9 @@ def _torch_version() -> str:
     import torch
 
     return torch.__version__.split("+")[0]
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)

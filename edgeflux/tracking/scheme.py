@@ -19,7 +19,7 @@ from mlflow.store.artifact.mlflow_artifacts_repo import MlflowArtifactsRepositor
 from .store import PROXIED_SCHEME, artifacts_root
 
 
-def _proxied_artifact_repository(artifact_uri: str, tracking_uri: str | None = None, registry_uri: str | None = None):
+def proxied_artifact_repository(artifact_uri: str, tracking_uri: str | None = None, registry_uri: str | None = None):
     """The artifact repository of an ``mlflow-artifacts:`` URI: with a sqlite tracking URI, the directory it names
     under artifacts_root(), as a tracking server started by ui_command() serves it; otherwise MLflow's (the
     tracking server proxies it)."""
@@ -33,4 +33,4 @@ def _proxied_artifact_repository(artifact_uri: str, tracking_uri: str | None = N
     return LocalArtifactRepository(str(path), tracking_uri=tracking_uri, registry_uri=registry_uri)
 
 
-_artifact_repository_registry.register(PROXIED_SCHEME, _proxied_artifact_repository)
+_artifact_repository_registry.register(PROXIED_SCHEME, proxied_artifact_repository)

@@ -15,7 +15,7 @@ import mlflow
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
-from .models import log_model
+from .models import log_model, log_onnx_model
 from .parents import PIPELINE_KEY_TAG
 
 log = logging.getLogger(__name__)
@@ -121,5 +121,12 @@ class StageRun:
         this model in MLflow's model registry (``models:/<registered_name>/<version>``), tagged with the pipeline
         id, the stage, the stage's run and the git commit. Returns MLflow's ModelInfo (with
         ``registered_model_version`` when registered)."""
-        tags = {PIPELINE_KEY_TAG: self.pipeline or "", "edgeflux.stage": self.stage, "edgeflux.run_id": self.run_id}
-        return log_model(model, name, example, registered_name, tags)
+        return log_model(model, name, example, registered_name, self._model_tags())
+
+    def log_onnx_model(self, path: str | Path, name: str, example, registered_name: str):
+        """An ONNX file as an MLflow model (``mlflow.pyfunc.load_model`` runs it in onnxruntime), registered as a
+        new version of ``registered_name`` with the tags log_model gives."""
+        return log_onnx_model(path, name, example, registered_name, self._model_tags())
+
+    def _model_tags(self) -> dict[str, str]:
+        return {PIPELINE_KEY_TAG: self.pipeline or "", "edgeflux.stage": self.stage, "edgeflux.run_id": self.run_id}

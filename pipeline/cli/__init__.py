@@ -5,12 +5,13 @@
     edgeflux status                               # stages up to date / stale / running (DVC + MLflow)
     edgeflux compare --last 3                     # recent pipeline runs side by side (MLflow), and a plot
     edgeflux report --open                        # reports/summary.md, then the report opened
+    edgeflux export finetune-mobiletl             # one trained model as checked ONNX + TorchScript files
     edgeflux servers | worker --pool pi | serve-cloud   # pipeline.servers and pipeline.cloud, unchanged
 
 The tools stay the source of truth: DVC decides what is stale and runs the stages, MLflow holds the runs,
 Prefect runs the workers; their output is streamed, not captured, and their exit code is this command's.
 Heavy imports (mlflow, matplotlib; torch, which validating params needs) happen inside the subcommand that
-needs them, so `--help` answers at once. One module per subcommand (run, status, compare, report; forward:
+needs them, so `--help` answers at once. One module per subcommand (run, status, compare, report, export; forward:
 servers, worker, serve-cloud), what they share in common.py. docs/cli.md has more examples.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from edgeflux.errors import UserError
 
 from .common import RAW, Parser, UsageError, wrap
 from .compare import add_compare
+from .export import add_export
 from .forward import FORWARDED
 from .report import add_report
 from .run import BUDGET_KEY, add_run
@@ -35,6 +37,7 @@ examples:
   edgeflux status                                # up to date / stale (what changed) / running, per stage
   edgeflux compare --last 2                      # two pipeline runs side by side; reports/compare.png
   edgeflux report --open                         # the summary, and its plots opened
+  edgeflux export finetune-mobiletl              # a trained model as checked ONNX + TorchScript files
   edgeflux servers --host 0.0.0.0 --init-auth --deploy   # cloud host: Prefect + MLflow servers
   edgeflux worker --pool pi --device-id pi-01    # device: a Prefect worker in this clone
   edgeflux serve-cloud                           # MEANet's cloud model over HTTP
@@ -52,6 +55,7 @@ def build_parser() -> Parser:
     add_status(sub)
     add_compare(sub)
     add_report(sub)
+    add_export(sub)
     for name, (text, _) in FORWARDED.items():   # listed here; their own parsers read their flags
         sub.add_parser(name, help=text, add_help=False)
     return parser
