@@ -27,6 +27,7 @@ class BlockResult:
     rebuilt_caches: list[str] = field(default_factory=list)
     history: list[dict] = field(default_factory=list)   # this block's accuracy-vs-time rows
     split_batches: int = 0      # unit batches trained in halves to stay under the budget (BitTrain's StoredBound)
+    activation_bytes: int = 0   # of peak_bytes, the activations alive at the peak (StepMemory.activation_bytes)
 
 
 @dataclass

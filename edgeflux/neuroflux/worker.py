@@ -303,7 +303,8 @@ def _train_block(work: _BlockWork, sources: dict, settings: _Settings, so_far: N
     cache_time, cache_cpu = time.perf_counter() - tick, time.process_time() - cpu_tick
     result = BlockResult(
         index=block.index, units=list(block.units), planned_batch=block.batch_size, batch_size=batch,
-        peak_bytes=memory.peak_bytes, budget_bytes=budget_bytes, epochs=opts.epochs, steps=train.steps,
+        peak_bytes=memory.peak_bytes, activation_bytes=memory.activation_bytes, budget_bytes=budget_bytes,
+        epochs=opts.epochs, steps=train.steps,
         train_time_s=train.train_time_s, cache_time_s=cache_time, measure_time_s=measure_time,
         cpu_s=measure_cpu + train.train_cpu_s + cache_cpu,
         unit_val_acc=accs["val"], unit_test_acc=accs["test"],
