@@ -12,6 +12,6 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "zoo": ["BUILDERS", "build_model"],
     "units": ["UNIT_KINDS", "UnitInfo", "UnitModel", "count_params", "eval_mode"],
     "vgg": ["VGG_CFGS", "scale_channels"],
-    "weights": ["WeightsFileNotFoundError", "load_torchvision_weights"],
-    "torchvision_arch": ["WeightsError", "build_torchvision", "load_strict"],
+    "weights": ["WeightsError", "WeightsFileNotFoundError", "load_torchvision_weights", "read_state_dict"],
+    "torchvision_arch": ["build_torchvision", "load_strict"],
 })

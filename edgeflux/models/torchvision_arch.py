@@ -16,28 +16,25 @@ through `RepeatChannels`, which the log reports.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from torch import nn
 from torchvision import models as tvm
 
+from .spec import TORCHVISION_NAMES
 from .units import UnitModel
+from .weights import HOW_TO_SAVE, WeightsError, read_state_dict
 
 log = logging.getLogger(__name__)
 
-# spec.py names them for params.yaml (torch-free); build_torchvision checks the two agree
+# spec.py names them for params.yaml (torch-free); the assert below holds the two together
 TORCHVISION_FAMILIES = {
     "mobilenet_v2": "mobilenet", "mobilenet_v3_small": "mobilenet", "mobilenet_v3_large": "mobilenet",
     "efficientnet_b0": "efficientnet", "resnet18": "resnet", "resnet34": "resnet", "resnet50": "resnet",
     "vgg11_bn": "vgg", "vgg16_bn": "vgg",
 }
-HOW_TO_SAVE = "torch.save(torchvision.models.{name}(weights='DEFAULT').state_dict(), '{file}')"
-
-
-class WeightsError(ValueError):
-    """A weights file that cannot be loaded strictly into the architecture it was named for."""
+assert tuple(TORCHVISION_FAMILIES) == TORCHVISION_NAMES, "edgeflux/models/spec.py lists the same names"
 
 
 class RepeatChannels(nn.Module):
@@ -55,8 +52,6 @@ class RepeatChannels(nn.Module):
 def build_torchvision(name: str, num_classes: int, in_channels: int, image_size: int,
                       weights: str | Path | None = None) -> UnitModel:
     """torchvision's ``name`` for ``num_classes`` as units; ``weights``: a state_dict file loaded strictly."""
-    from .spec import TORCHVISION_NAMES
-    assert tuple(TORCHVISION_FAMILIES) == TORCHVISION_NAMES, "edgeflux/models/spec.py lists the same names"
     if name not in TORCHVISION_FAMILIES:
         raise ValueError(f"unknown torchvision model {name!r}; choose one of: {', '.join(TORCHVISION_FAMILIES)}")
     if in_channels not in (1, 3):
@@ -114,22 +109,6 @@ def _head_keys(tv: nn.Module) -> set[str]:
     """The tensors of the last Linear: the ImageNet classifier a file holds, re-made for the data's classes."""
     last = [n for n, m in tv.named_modules() if isinstance(m, nn.Linear)][-1]
     return {f"{last}.weight", f"{last}.bias"}
-
-
-def read_state_dict(path: Path, name: str) -> dict[str, torch.Tensor]:
-    """The file's state_dict, or one line naming what is wrong with the file and how to make the right one."""
-    how = HOW_TO_SAVE.format(name=name, file=path.name)
-    if not path.is_file():
-        raise WeightsError(f"no weights file at {path}: edgeflux never downloads weights; on a machine with "
-                           f"internet run {how} and copy the file there")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:   # truncated, not a torch file, or a pickled nn.Module (refused by weights_only)
-        raise WeightsError(f"{path} cannot be read as a state_dict ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
-                           f"make it with {how}") from None
-    if not isinstance(state, Mapping) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise WeightsError(f"{path} does not hold a state_dict (a mapping of tensor names to tensors); make it with {how}")
-    return dict(state)
 
 
 def load_strict(tv: nn.Module, name: str, path: str | Path) -> list[str]:

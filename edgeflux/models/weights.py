@@ -25,7 +25,14 @@ log = logging.getLogger(__name__)
 _KINDS = ("conv", "bn", "linear")
 
 
-class WeightsFileNotFoundError(FileNotFoundError):
+HOW_TO_SAVE = "torch.save(torchvision.models.{name}(weights='DEFAULT').state_dict(), '{file}')"
+
+
+class WeightsError(ValueError):
+    """A weights file that cannot be loaded (strictly, for arch: torchvision) into the architecture it was named for."""
+
+
+class WeightsFileNotFoundError(WeightsError, FileNotFoundError):
     """The torchvision weights file the user pointed at is not there."""
 
 
@@ -50,19 +57,21 @@ def _kind(state: Mapping[str, torch.Tensor], keys: dict[str, str]) -> str:
     return {4: "conv", 2: "linear"}.get(state[weight].ndim, "other")
 
 
-def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+def read_state_dict(path: Path, name: str = "<name>") -> dict[str, torch.Tensor]:
+    """The file's state_dict, or one line naming what is wrong with the file and how to make the right one
+    (``name``: the torchvision architecture the file should be of)."""
+    how = HOW_TO_SAVE.format(name=name, file=path.name)
     if not path.is_file():
-        raise WeightsFileNotFoundError(
-            f"no torchvision weights file at {path}. edgeflux never downloads weights: on a machine "
-            f"with internet run torch.save(torchvision.models.<name>(weights='DEFAULT').state_dict(), "
-            f"'{path.name}') and place the .pth file at {path}"
-        )
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError(
-            f"{path} does not hold a state_dict (a mapping of names to tensors); save it with "
-            f"torch.save(model.state_dict(), path), not torch.save(model, path)"
-        )
+        raise WeightsFileNotFoundError(f"no weights file at {path}: edgeflux never downloads weights; on a machine "
+                                       f"with internet run {how} and place the .pth file at {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:   # truncated, not a torch file, or a pickled nn.Module (refused by weights_only)
+        raise WeightsError(f"{path} cannot be read as a state_dict ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:120]}); make it with {how}") from None
+    if not isinstance(state, Mapping) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise WeightsError(f"{path} does not hold a state_dict (a mapping of tensor names to tensors); "
+                           f"make it with {how}")
     return dict(state)
 
 
@@ -73,7 +82,7 @@ def load_torchvision_weights(model: nn.Module, path: str | Path) -> dict:
     with no counterpart in the file], "unused": [file keys nothing was paired with]}.
     """
     path = Path(path)
-    source = _read_state_dict(path)
+    source = read_state_dict(path)
     target = model.state_dict()  # detached tensors sharing storage with the model: copy_ writes through
     ours, theirs = _group(target), _group(source)
     loaded: list[str] = []

@@ -1,9 +1,10 @@
 """The zoo's builders: a model by name, as a UnitModel (edgeflux.models)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -49,6 +50,15 @@ assert tuple(BUILDERS) == MODEL_NAMES, "edgeflux/models/spec.py names the zoo's 
 
 
 
+@contextlib.contextmanager
+def _seeded(seed: int | None) -> Iterator[None]:
+    """Weights drawn from ``seed`` (None: from the global RNG), the global RNG left as it was."""
+    with torch.random.fork_rng(devices=[], enabled=seed is not None):
+        if seed is not None:
+            torch.manual_seed(seed)
+        yield
+
+
 def build_model(
     name: str,
     num_classes: int = 10,
@@ -71,9 +81,7 @@ def build_model(
     pretrained_path: a torchvision state_dict file to map onto the model (never downloaded).
     """
     if arch == "torchvision":
-        with torch.random.fork_rng(devices=[], enabled=seed is not None):
-            if seed is not None:
-                torch.manual_seed(seed)
+        with _seeded(seed):
             return build_torchvision(name, num_classes, in_channels, image_size, pretrained_path)
     if name not in BUILDERS:
         raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(MODEL_NAMES)}")
@@ -85,9 +93,7 @@ def build_model(
     if not batch_norm and not name.startswith("vgg"):
         raise ValueError(f"batch_norm=False is only available for VGG models, not {name!r}")
 
-    with torch.random.fork_rng(devices=[], enabled=seed is not None):
-        if seed is not None:
-            torch.manual_seed(seed)
+    with _seeded(seed):
         model = BUILDERS[name](num_classes, in_channels, width, image_size, batch_norm)
     log.info(
         "built %s: width %g, %d units, %d params, %d classes, %d input channels",
