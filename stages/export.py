@@ -8,8 +8,10 @@ metrics/export.json), and <name>.json (input shape, normalisation, classes, accu
 ONNX file is also a new version of edgeflux-<name> in MLflow's model registry, which plain MLflow loads
 (`mlflow.pyfunc.load_model("models:/edgeflux-<name>/<version>")`).
 
-MobileTL's int8 bottom is a training-time saving (the frozen bottom's forward in int8): its model is saved and
-exported in float32, as every other; torch's ONNX exporter does not translate torch.ao's quantized kernels.
+MobileTL's int8 bottom (the frozen bottom's forward in int8 while training) is not exported: its model is saved and
+exported in float32, as every other. torch.export's ONNX exporter refuses torch.ao's quantized modules; the
+TorchScript one translates them, but onnxruntime's int8 arithmetic is not torch's (fbgemm/qnnpack), so the file's
+logits miss the check by far more than float rounding; docs/data-models-tracking.md says how to quantize on a device.
 """
 from __future__ import annotations
 
