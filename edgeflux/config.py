@@ -95,6 +95,14 @@ class NeuroFluxParams(TrainOptions, MemoryOptions):
             raise ValueError(AUGMENT_REFUSED)
         return augment
 
+    @field_validator("model")
+    @classmethod
+    def _from_scratch(cls, model: ModelSpec) -> ModelSpec:
+        if model.weights or model.pretrained_path:
+            raise ValueError("NeuroFlux trains its model from scratch, block by block (the paper's setting): "
+                             "remove neuroflux.model's weights; fine-tuning from weights is the finetune stage")
+        return model
+
     @field_validator("profile_batches")
     @classmethod
     def _distinct_positive(cls, batches: list[int]) -> list[int]:

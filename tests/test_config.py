@@ -195,3 +195,12 @@ def test_a_bad_device_key_is_one_message_naming_the_device_section():
     raw["device"] = {"budjet": "1MB"}
     with pytest.raises(ParamsError, match=r"device.budjet = '1MB': unknown key \(did you mean budget\?\)"):
         validate(raw)
+
+
+def test_neuroflux_refuses_weights_it_would_not_read():
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    raw["neuroflux"]["model"] = {"arch": "torchvision", "name": "resnet18", "weights": "resnet18.pth"}
+    with pytest.raises(ParamsError, match="NeuroFlux trains its model from scratch"):
+        validate(raw)
+    raw["neuroflux"]["model"] = {"arch": "torchvision", "name": "resnet18"}
+    assert validate(raw).neuroflux.model.key == "tv-resnet18"

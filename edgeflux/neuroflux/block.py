@@ -150,7 +150,7 @@ def fit_block_batch(learners: Sequence[LocalLearner], opts: TrainOptions, source
     choice = choose_batch(lambda x, y: measure_block_peak(learners, make_optimizer, x.clone(), y.clone(), prefix, context,
                                                           device),
                           data, budget_bytes=budget_bytes, max_batch=planned, preferred=planned)
-    if choice.batch_size < planned:
+    if choice.batch_size < min(planned, len(data[0])):   # (a training set smaller than the batch caps it too)
         log.warning("block step at the planned batch %d measured over the budget %s: training at batch %d (%s)",
                     planned, format_bytes(budget_bytes), choice.batch_size, format_bytes(choice.memory.peak_bytes))
     return choice.batch_size, choice.memory
