@@ -108,7 +108,7 @@ def plot(rows: list[dict], out: Path) -> None:
     """Each method's measured peak, split into activations and the rest, beside the budget."""
     plt = _pyplot()
     rows = [r for r in rows if r["peak_mib"]]
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.6))
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 2.2))
     y = range(len(rows))
     act = [r["activations_mib"] or 0 for r in rows]
     ax.barh(y, act, color="tab:orange", label="activations")
@@ -117,14 +117,14 @@ def plot(rows: list[dict], out: Path) -> None:
     budget = rows[0]["budget_mib"]
     ax.axvline(budget, color="tab:red", lw=1.5, ls="--", label=f"budget ({budget:g} MiB)")
     for i, r in enumerate(rows):
-        ax.annotate(f"batch {r['batch']}", (r["peak_mib"], i), xytext=(4, 0), textcoords="offset points",
-                    va="center", fontsize=8)
+        ax.annotate(f"batch {r['batch']}", (max(r["peak_mib"], budget), i), xytext=(4, 0),
+                    textcoords="offset points", va="center", fontsize=8)   # right of the budget line
     ax.set_yticks(list(y), [r["method"] for r in rows])
     ax.invert_yaxis()
-    ax.set_xlim(0, budget * 1.25)
+    ax.set_xlim(0, budget * 1.35)
     ax.set(xlabel="measured peak of the training step (MiB)",
-           title="3x128x128 images, torchvision MobileNetV2 / ResNet-18: where the memory goes")
-    ax.legend(fontsize=8, loc="lower right")
+           title="Where each method's memory goes\n3x128x128 images, torchvision MobileNetV2 / ResNet-18")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, frameon=False)
     ax.grid(alpha=0.3, axis="x")
     _save(fig, out)
 
@@ -148,6 +148,7 @@ def main(argv=None) -> None:
     parser.add_argument("--project", type=Path, help="a repository where the preset's pipeline has run: "
                         "only collect its results (default: clone this one and run it)")
     parser.add_argument("--wall-s", type=float, help="with --project: the wall time its dvc repro took")
+    parser.add_argument("--remark", default="", help="with --project: how the run went (said under the table)")
     parser.add_argument("--photos", type=Path, help="only make the preset's photo folder there, and exit")
     args = parser.parse_args(argv)
     if args.photos:
@@ -162,9 +163,17 @@ def main(argv=None) -> None:
         wall = wall or time.perf_counter() - started
     result = BenchResult()
     result.rows = collect(project)
+    pretrained = _json(project, "details/pretrain.json") or {}
+    result.add_section("The cloud's pre-trained models (stage pretrain), which fine-tuning and MEANet start from",
+                       [{"model": k, "test_acc": v.get("test_acc")} for k, v in pretrained.items() if isinstance(v, dict)],
+                       ["model", "test_acc"])
+    exported = (_json(project, "details/export.json") or {}).get("models", {})
+    result.add_section("Exported files (stage export): max |logit difference| from PyTorch on the first test batch",
+                       [{"model": k, "onnx": v["onnx_max_abs_diff"], "TorchScript": v["trace_max_abs_diff"]}
+                        for k, v in exported.items()], ["model", "onnx", "TorchScript"])
     if stages:
         result.add_section("dvc repro, per stage", stages, ["stage", "start_s", "wall_s"])
-    notes = (f"The whole pipeline (`dvc repro`, every stage) took {wall / 60:.1f} min." if wall else "")
+    notes = (f"The whole pipeline (`dvc repro`, every stage) took {wall / 60:.1f} min. " if wall else "") + args.remark
     result.write(NAME, args.out, title="The realistic workload: 3x128x128, torchvision MobileNetV2 and ResNet-18",
                  notes=notes, extra={"preset": PRESET, "wall_s": wall,
                                      "params": yaml.safe_load((project / "params.yaml").read_text())})

@@ -33,9 +33,11 @@ log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[1]
 PI = "pi-01"
-# What the sandbox's device run executes: every device stage but fine-tuning's runs (five methods) and the
-# edge-cloud evaluation (it starts a model server) and the report, to keep the run short.
-DEVICE_STAGES = [s for s in registry.names("device") if s not in ("finetune", "evaluate_edge_cloud", "report")]
+# What the sandbox's device run executes: every device stage but fine-tuning's runs (five methods), the
+# edge-cloud evaluation (it starts a model server), the export (it needs fine-tuning's models) and the report,
+# to keep the run short.
+DEVICE_STAGES = [s for s in registry.names("device")
+                 if s not in ("finetune", "evaluate_edge_cloud", "export", "report")]
 
 RETRAIN_HOUR = (datetime.now(UTC).hour + 12) % 24
 

@@ -171,14 +171,14 @@ def test_repro_then_noop_then_exp_run(project, first_repro):
     parents = {r.info.run_id for r in runs if r.data.tags["edgeflux.kind"] == "pipeline"}
     first_children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") in parents]
     assert len(parents) == 2  # the first repro and the exp run
-    # the exp run reran train_bp and report only; its parent still has every stage's headline (from the report)
+    # the exp run reran train_bp and what reads its model (export, report) only; its parent still has every stage's headline (from the report)
     exp_parent, = [r for r in runs if r.info.run_id in parents and r.data.metrics.get("train_bp.test_acc")
                    == with_bittrain["test_acc"]]
     assert exp_parent.data.metrics["finetune.mobiletl.test_acc"] == tuned["mobiletl"]["test_acc"]
     assert exp_parent.data.metrics["evaluate_edge_cloud.edge_acc"] == routed["edge_acc"]
     assert sorted(r.data.tags["edgeflux.stage"] for r in first_children) == sorted(
-        ["prepare", "pretrain", "train_bp", *NEUROFLUX, *FINETUNE, *MEANET, "report", "train_bp",
-         "report"])
+        ["prepare", "pretrain", "train_bp", *NEUROFLUX, *FINETUNE, *MEANET, "export", "report", "train_bp",
+         "export", "report"])
     bp = [r for r in first_children if r.data.tags["edgeflux.stage"] == "train_bp"]
     assert {r.data.params["lr"] for r in bp} == {"0.05", "0.01"}
     assert all(r.data.metrics["peak_mem_bytes"] <= 3_000_000 for r in bp)
@@ -214,7 +214,7 @@ def test_new_labelled_data_retrains_the_fine_tuning_stages_and_all_they_feed(pro
         todo = retrain_targets(stage_graph())
     finally:
         shutil.rmtree(folder)
-    assert set(todo) == {"finetune", "meanet_edge", "evaluate_edge_cloud", "report"}
+    assert set(todo) == {"finetune", "meanet_edge", "evaluate_edge_cloud", "export", "report"}
     assert todo.index("meanet_edge") < todo.index("evaluate_edge_cloud") and todo[-1] == "report"
 
 
