@@ -358,3 +358,25 @@ def test_cpu_vs_gpu_doc_is_what_the_committed_results_say(tmp_path, monkeypatch)
     assert (tmp_path / "cpu_vs_gpu.md").read_text() == (REPO / "docs" / "cpu_vs_gpu.md").read_text(), \
         "docs/cpu_vs_gpu.md is stale: python -m bench.cpu_vs_gpu"
     assert "| - | - |" not in (tmp_path / "cpu_vs_gpu.md").read_text()   # every row has a figure
+
+
+def test_realistic_reads_where_each_method_s_memory_goes_and_makes_the_photo_folder(tmp_path, monkeypatch):
+    """bench.realistic on the committed default pipeline's outputs (the same files its own run reads), and its photos."""
+    from PIL import Image
+
+    from bench import realistic
+
+    realistic.main(["--project", str(REPO), "--wall-s", "60", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "realistic.json").read_text())
+    summary = json.loads((REPO / "reports/summary.json").read_text())["rows"]
+    assert [r["method"] for r in result["rows"]] == [r["method"] for r in summary]
+    for row in result["rows"]:
+        assert 0 < row["activations_mib"] < row["peak_mib"] <= row["budget_mib"], row
+        assert row["images_per_s"] > 0, row
+    assert "took 1.0 min" in (tmp_path / "realistic.md").read_text() and (tmp_path / "realistic.png").stat().st_size
+    monkeypatch.setattr(realistic, "PHOTOS_PER_CLASS", 2)
+    monkeypatch.setattr(realistic, "TEST_PER_CLASS", 1)
+    root = realistic.make_photos(tmp_path / "photos")
+    assert len(list(root.glob("train/*/*.png"))) == 20 and len(list(root.glob("test/*/*.png"))) == 10
+    with Image.open(next(root.glob("test/*/*.png"))) as image:
+        assert image.size == (realistic.PHOTO_SIZE,) * 2 and image.mode == "RGB"
