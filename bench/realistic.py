@@ -81,8 +81,10 @@ def _images_per_s(project: Path, stage: str, params: dict) -> float | None:
         details = _json(project, "details/meanet_edge.json")
     if not details or not details.get("train_time_s"):
         return None
-    section = params[key]
-    split = (_json(project, "data/prepared/manifest.json") or {})["counts"]["target_train"]["total"]
+    section, manifest = params[key], _json(project, "data/prepared/manifest.json")
+    if manifest is None:   # the prepared data is a DVC output: absent from a fresh clone until `dvc pull`
+        return None
+    split = manifest["counts"]["target_train"]["total"]
     n = min(split, section.get("max_train_samples") or split)
     if key == "meanet":   # the edge trains on the hard classes' instances only
         n = details.get("train_instances", n)
