@@ -66,17 +66,22 @@ def fit_model_batch(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor], 
     step fits memory.budget (edgeflux.memory.choose_batch, here given that step to measure); without a budget,
     opts.batch_size, measured.
 
-    Steps are measured on real training samples, with the step fit trains with (TrainStep with run's context
-    and loss_fn, on run.device).
+    Steps are measured on real training samples, with the step fit trains with (TrainStep with run's context,
+    loss_fn and tricks, on run.device). With run.tricks.accumulate the batch is the micro-batch, at most the
+    effective batch, measured where it closes a group (its gradients added to the group's, then the optimizer
+    step).
     """
     run = run or TrainRun()
-    make_step = TrainStep.factory(optimizer_factory(opts), loss_fn=run.loss_fn, context=run.context)
 
     def measure(x: torch.Tensor, y: torch.Tensor) -> StepMemory:
+        make_step = TrainStep.factory(optimizer_factory(opts), loss_fn=run.loss_fn, context=run.context,
+                                      tricks=run.step_tricks(len(y), measuring=True))
         return measure_training_step(model, make_step, (x.clone(), y.clone()), (x.clone(), y.clone()), run.device)
 
-    choice = choose_batch(measure, train, budget_bytes=memory.budget, max_batch=memory.max_batch,
-                          preferred=opts.batch_size if memory.budget is None else None)
+    accumulating = run.tricks is not None and run.tricks.accumulate
+    max_batch = min(memory.max_batch, run.tricks.effective_batch) if accumulating else memory.max_batch
+    preferred = None if memory.budget is not None else min(opts.batch_size, max_batch)
+    choice = choose_batch(measure, train, budget_bytes=memory.budget, max_batch=max_batch, preferred=preferred)
     return choice.batch_size, choice.fit, choice.memory
 
 

@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from edgeflux.bittrain.options import BitTrainOptions as BitTrainParams
 from edgeflux.data.options import DataParams
 from edgeflux.errors import UserError
 from edgeflux.finetune.options import FinetuneOptions, parse_method
+from edgeflux.tricks.options import AUTO, BACKPROP, TrickOptions, parse_backprop
 from edgeflux.memory.options import MemoryOptions
 from edgeflux.models.spec import ModelSpec
 from edgeflux.neuroflux.options import AUGMENT_REFUSED, AUX_MODES, CacheOptions as CacheParams
@@ -71,6 +72,17 @@ class TrainBPParams(TrainOptions, MemoryOptions):
     """Backprop on the device data under a memory budget (batch_size is replaced by the fitted one)."""
 
     model: ModelSpec
+    # backprop, optionally with -bittrain and tricks (-accumulate, -checkpoint, -fused_step), or auto: the fastest
+    # feasible of those under the budget, measured by edgeflux.plan (`edgeflux plan` shows the table)
+    method: str = BACKPROP
+    tricks: TrickOptions = TrickOptions()   # accumulation, checkpointing, the step in backward (edgeflux.tricks)
+
+    @field_validator("method")
+    @classmethod
+    def _known(cls, method: str) -> str:
+        if method != AUTO:
+            parse_backprop(method)
+        return method
 
 
 class NeuroFluxParams(TrainOptions, MemoryOptions):
@@ -123,8 +135,19 @@ class FinetuneParams(FinetuneOptions):
         if len(set(methods)) != len(methods):
             raise ValueError("a method is listed twice")
         for method in methods:
-            parse_method(method)
+            if method != AUTO:
+                parse_method(method)
         return methods
+
+    @model_validator(mode="after")
+    def _tricks_compose(self) -> FinetuneParams:
+        for method in (m for m in self.methods if m != AUTO):   # e.g. -fused_step with tricks.accumulate
+            try:
+                self.tricks.with_on(parse_method(method).tricks)
+            except ValueError as e:
+                detail = e.errors()[0]["msg"] if hasattr(e, "errors") else str(e)
+                raise ValueError(f"finetune method {method!r}: {detail}") from None
+        return self
 
 
 class MEANetClientParams(_Section):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -51,7 +52,9 @@ from edgeflux.memory.blocks import split_blocks_exactly
 from edgeflux.memory.bound import StoredBound
 from edgeflux.memory.options import MemoryOptions
 from edgeflux.options import LR_SCALINGS, OPTIMIZER_NAMES, TrainOptions
-from edgeflux.step import Step, StepContext, TrainStep, no_context
+from edgeflux.step import Step, StepContext, TrainStep, Tricks, no_context
+from edgeflux.tricks.accumulate import Accumulation
+from edgeflux.tricks.options import TrickOptions
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +164,15 @@ class TrainRun:
     make_before_step: Callable[[Step, tuple, int], Callable[[TrainResult], None]] | None = None
     track_test: bool = False
     stored_bound: StoredBound | None = None
+    tricks: TrickOptions | None = None   # memory tricks (edgeflux.tricks) of the step that trains and is measured
+
+    def step_tricks(self, micro: int, measuring: bool = False) -> Tricks | None:
+        """The Tricks a step at this (micro-)batch applies: with accumulation, where its micro-batches fall
+        (in fit: the epoch's groups, set by fit; measuring: the costliest position, see Accumulation)."""
+        if self.tricks is None or not self.tricks.on():
+            return None
+        return Tricks(self.tricks, Accumulation.measuring(micro, self.tricks.effective_batch)
+                      if self.tricks.accumulate and measuring else None)
 
 
 @dataclass(frozen=True)
@@ -292,8 +304,7 @@ def fit(model: nn.Module, train: tuple[Tensor | Images, Tensor], val: tuple[Tens
     device = torch.device(run.device)
     context = run.context or no_context
     x_train, y_train = train
-    step = TrainStep.factory(optimizer_factory(opts.model_copy(update={"lr": opts.lr_for(batch_size)})),
-                             loss_fn=run.loss_fn, context=context, bound=run.stored_bound)(model.to(device))
+    step = fit_step(model.to(device), opts, batch_size, run, len(y_train))
 
     def evaluate_now() -> dict:
         row = {"val_acc": evaluate(model, *val, batch_size=batch_size, device=device)}
@@ -314,6 +325,21 @@ def fit(model: nn.Module, train: tuple[Tensor | Images, Tensor], val: tuple[Tens
     return result
 
 
+def fit_step(model: nn.Module, opts: TrainOptions, batch_size: int, run: TrainRun, samples: int) -> TrainStep:
+    """The step fit trains ``model`` with at ``batch_size`` on ``samples`` samples an epoch: its optimizer at the
+    learning rate of the samples one update takes (with accumulation, the group's), its context, loss, stored
+    bound and tricks. edgeflux.plan times the same step."""
+    tricks = run.step_tricks(batch_size)
+    if tricks is not None and run.tricks.accumulate:
+        tricks = replace(tricks, accumulation=Accumulation.for_epoch(samples, batch_size, run.tricks.effective_batch))
+        # the scheduler steps per micro-batch, the optimizer per group: torch's warning about the order is moot
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+    per_update = tricks.accumulation.effective if tricks is not None and tricks.accumulation else batch_size
+    return TrainStep.factory(optimizer_factory(opts.model_copy(update={"lr": opts.lr_for(per_update)})),
+                             loss_fn=run.loss_fn, context=run.context or no_context, bound=run.stored_bound,
+                             tricks=tricks)(model)
+
+
 def _fit_signature(opts: TrainOptions, batch_size: int, context: StepContext, train: tuple, val: tuple,
                    run: TrainRun) -> str:
     """What a fit run is: options, batch, how activations are saved, and the data (a checkpoint of a run on a
@@ -323,4 +349,6 @@ def _fit_signature(opts: TrainOptions, batch_size: int, context: StepContext, tr
                  data=tensor_digest(*train, *val))
     if run.loss_fn is not F.cross_entropy:   # only then: the signatures of existing checkpoints stay as they were
         parts["loss"] = run.loss_fn.__qualname__
+    if run.tricks is not None and run.tricks.on():
+        parts["tricks"] = run.tricks.model_dump()
     return run_signature(**parts, start=run.signature) if run.signature else run_signature(**parts)

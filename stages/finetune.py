@@ -25,6 +25,7 @@ from edgeflux.data.incoming import add_incoming, load_incoming
 from edgeflux.elastic.plot import plot_selections
 from edgeflux.finetune import METHOD_HELP, finetune, finetune_label, parse_method
 from edgeflux.tracking import stage_run
+from edgeflux.tricks.options import AUTO
 from edgeflux.train import resolve_device
 from edgeflux.rows import MethodRow, RowInputs, training_row
 from stages.common import peak_rss_bytes, run_stage, stage_parser, write_history_csv, write_metrics
@@ -43,7 +44,8 @@ CHECKPOINTS = Path(".edgeflux/checkpoints/finetune")   # <method>.pt: an interru
 
 def _method(spec: str) -> str:
     try:
-        parse_method(spec)
+        if spec != AUTO:
+            parse_method(spec)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return spec
@@ -51,7 +53,9 @@ def _method(spec: str) -> str:
 
 def parser():
     p = stage_parser(__doc__)
-    p.add_argument("--method", required=True, type=_method, help=f"the fine-tuning method to run: {METHOD_HELP}")
+    p.add_argument("--method", required=True, type=_method,
+                   help=f"the fine-tuning method to run: {METHOD_HELP}; or {AUTO}: the fastest way to train every "
+                        "parameter under the budget (edgeflux.plan: FT-All with or without the memory tricks)")
     return p
 
 
@@ -74,10 +78,11 @@ def main(args, params) -> None:
                for kind, ext in (("plots", "csv"), ("memory", "json"), ("models", "pt"))}
     outputs["tensors"] = Path(f"plots/finetune/{method}_tensors.png")
     with stage_run(f"finetune@{method}", {**p.model_dump(), "method": method}) as run:
-        result = finetune(model, method, p, train, tensors(data, "target_val"), tensors(data, "target_test"), device,
+        spec = method if method != AUTO else planned(model, train, p, device, run)
+        result = finetune(model, spec, p, train, tensors(data, "target_val"), tensors(data, "target_test"), device,
                           checkpoint=CHECKPOINTS / f"{method}.pt", start=file_digest(source))
         metrics = {"model": p.model, "device": str(device), **result.metrics(), "n_incoming": len(incoming),
-                   "peak_rss_bytes": peak_rss_bytes()}
+                   "auto": method == AUTO, "peak_rss_bytes": peak_rss_bytes()}
         written = write_metrics(f"finetune/{method}", metrics, run)
         write_json(outputs["memory"], {**result.run.memory_report(), "method_info": result.info,
                                        **result.run.train.extra})
@@ -90,12 +95,24 @@ def main(args, params) -> None:
             run.log_artifact(path)
 
 
+def planned(model, train, p, device, run) -> str:
+    """The plan's fastest feasible way to train every parameter (edgeflux.plan), its table logged."""
+    from edgeflux.plan import FINETUNE_FULL, fastest, plan_finetune   # (its imports: only when planning)
+
+    rows = plan_finetune(model, train, p, candidates=FINETUNE_FULL, device=device)
+    chosen = fastest(rows).method
+    run.log_dict({"budget_bytes": p.budget, "auto": chosen, "rows": [r.to_dict() for r in rows]}, "plan.json")
+    return chosen
+
+
 def summary_rows(inputs: RowInputs) -> list[MethodRow]:
     """One row per fine-tuning run, in finetune.methods' order."""
     rows = []
     for key in [k for k in inputs.head if k.startswith("finetune/")]:
         spec = key.split("/", 1)[1]
-        rows.append(training_row(finetune_label(spec, bool(inputs.plus("finetune"))), f"finetune@{spec}",
+        ran = inputs.detail[key].get("method", spec)     # auto: the method it chose
+        label = finetune_label(ran, bool(inputs.plus("finetune"))) + (" (auto)" if spec == AUTO else "")
+        rows.append(training_row(label, f"finetune@{spec}",
                                  f"pretrained {inputs.finetune_model}", inputs.detail[key]["model"], inputs.head[key],
                                  curve=STAGE.curve.replace(MATRIX_ITEM, spec), plotted=True))
     return rows

@@ -17,6 +17,7 @@ from edgeflux.models import build_model
 from edgeflux.tracking import stage_run
 from edgeflux.rows import MethodRow, RowInputs, training_row
 from edgeflux.train import TrainRun, resolve_device
+from edgeflux.tricks.options import AUTO, BACKPROP, backprop_label, backprop_options
 from stages.common import peak_rss_bytes, run_stage, stage_parser, write_history_csv, write_metrics
 from stages.registry import Stage
 
@@ -37,10 +38,14 @@ def main(args, params) -> None:
     build_args = p.model.build_args(len(data.classes), train[0].shape[1], train[0].shape[-1], p.seed)
     with stage_run("train_bp", p.model_dump()) as run:
         model = build_model(**build_args, pretrained_path=p.model.weights_path())
-        run_settings = TrainRun(device, checkpoint=CHECKPOINT, desc="train_bp", context=p.bittrain.context)
+        method = choose_method(model, train, p, device, run)
+        p = backprop_options(method, p)
+        run_settings = TrainRun(device, checkpoint=CHECKPOINT, desc="train_bp", context=p.bittrain.context,
+                                tricks=p.tricks)
         result = train_under_budget(model, train, tensors(data, "target_val"), tensors(data, "target_test"), p,
                                     run_settings, memory=p)
-        metrics = {"model": p.model.key, "device": str(device), **result.metrics(),
+        metrics = {"model": p.model.key, "device": str(device), **result.metrics(), "method": method,
+                   "auto": params.train_bp.method == AUTO,
                    # the whole process on the host (torch, data): not what the budget bounds
                    "peak_rss_bytes": peak_rss_bytes()}
         written = write_metrics("train_bp", metrics, run)
@@ -52,10 +57,26 @@ def main(args, params) -> None:
             run.log_artifact(path)
 
 
+def choose_method(model, train, p, device, run) -> str:
+    """train_bp.method, or with auto the plan's fastest feasible backprop (edgeflux.plan), its table logged."""
+    if p.method != AUTO:
+        return p.method
+    from edgeflux.plan import fastest, plan_training   # (its imports: only when planning)
+
+    rows = plan_training(model, train, p, device=device)
+    chosen = fastest(rows).method
+    run.log_dict({"budget_bytes": p.budget, "auto": chosen, "rows": [r.to_dict() for r in rows]}, "plan.json")
+    return chosen
+
+
 def summary_rows(inputs: RowInputs) -> list[MethodRow]:
     if "train_bp" not in inputs.head:
         return []
-    return [training_row("backprop" + inputs.plus("train_bp"), "train_bp", "scratch", inputs.detail["train_bp"]["model"],
+    detail = inputs.detail["train_bp"]
+    label = backprop_label(detail.get("method", BACKPROP)) + (" (auto)" if detail.get("auto") else "")
+    if inputs.plus("train_bp") and "BitTrain" not in label:
+        label += inputs.plus("train_bp")
+    return [training_row(label, "train_bp", "scratch", inputs.detail["train_bp"]["model"],
                          inputs.head["train_bp"], curve=STAGE.curve, plotted=True)]
 
 

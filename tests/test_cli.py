@@ -102,7 +102,7 @@ def test_help_of_the_command_and_of_every_subcommand_names_every_flag(project, c
     assert rc == 0 and "examples:" in top
     parser = cli.build_parser()
     commands = parser._subparsers._group_actions[0].choices
-    assert set(commands) == {"run", "status", "compare", "report", "export", *FORWARDED_FLAGS}
+    assert set(commands) == {"run", "status", "compare", "report", "export", "plan", *FORWARDED_FLAGS}
     for name, sub in commands.items():
         assert f"\n    {name}" in top, name
         rc, out, _ = run_cli(capsys, name, "--help")

@@ -82,7 +82,7 @@ def test_composition_names_are_checked_and_labelled():
     from edgeflux.finetune import parse_method
     from edgeflux.finetune import finetune_label
 
-    assert parse_method("elastic-mobiletl-bittrain") == ("elastic", "mobiletl", True)
+    assert parse_method("elastic-mobiletl-bittrain") == ("elastic", "mobiletl", True, ())
     assert finetune_label("elastic-mobiletl-bittrain") == "ElasticTrainer on MobileTL + BitTrain"
     assert finetune_label("ft_all", bittrain=True) == "FT-All + BitTrain"
     for bad in ("mobiletl-elastic", "ft_all-ft_bn", "mobiletl-bittrain-bittrain", "elastic-elastic", "ft-all"):

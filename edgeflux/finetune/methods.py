@@ -21,6 +21,7 @@ from edgeflux.mobiletl import quantize_bottom, replace_module, shift_only, top_s
 from edgeflux.models import UnitModel, count_params
 from edgeflux.models.units import freeze, train_mode
 from edgeflux.train import TrainRun
+from edgeflux.tricks.lean import lean_layers
 
 from .options import METHOD_NAMES, FinetuneOptions, parse_method
 
@@ -118,12 +119,14 @@ assert tuple(METHODS) == METHOD_NAMES, "edgeflux/finetune/options.py names the m
 
 def method_options(spec: str, opts: FinetuneOptions) -> tuple[str, FinetuneOptions]:
     """The method a name runs and the options it runs with (a composition's modifiers applied)."""
-    method, base, bittrain = parse_method(spec)
+    method, base, bittrain, tricks = parse_method(spec)
     update = {}
     if bittrain:
         update["bittrain"] = opts.bittrain.model_copy(update={"enabled": True})
     if base:
         update["elastic"] = opts.elastic.model_copy(update={"base": base})
+    if tricks:
+        update["tricks"] = opts.tricks.with_on(tricks)
     return method, opts.model_copy(update=update)
 
 
@@ -202,11 +205,13 @@ def finetune(model: UnitModel, method: str, opts: FinetuneOptions, train: tuple,
     spec, (method, opts) = method, method_options(method, opts)
     prepared = prepare(method, model, opts, calibration_batches(train[0], opts.calibration_batches), device)
     net = prepared.model
+    if opts.lean_layers:
+        prepared.info["lean_layers"] = lean_layers(net, frozen=method != "elastic")
     trainable = [name for name, p in net.named_parameters() if p.requires_grad]
     run = train_under_budget(net, train, val, test, opts, TrainRun(
         device, checkpoint=checkpoint, signature=run_signature(method=spec, start=start, info=prepared.info),
         desc=f"finetune {spec}", context=opts.bittrain.context, make_before_step=prepared.make_before_step,
-        track_test=track_test), memory=opts)
+        track_test=track_test, tricks=opts.tricks), memory=opts)
     for name, p in net.named_parameters():       # a method that re-selected while training leaves its last set
         p.requires_grad_(name in trainable)
     n = min(FLOPS_BATCH, len(train[1]))

@@ -94,7 +94,7 @@ def _parameters(model: nn.Module | None, optimizer: torch.optim.Optimizer | None
 
 def measure_step(step: Callable[[], Any], *, model: nn.Module | None = None, optimizer=None,
                  inputs: Sequence[Tensor] = (), units: Sequence[tuple[str, nn.Module]] | None = None,
-                 device: str | torch.device = "cpu", process_stats: bool = True) -> StepMemory:
+                 device: str | torch.device = "cpu", process_stats: bool = True, keep_grads: bool = False) -> StepMemory:
     """Run `step()` once and measure its memory.
 
     model/optimizer/inputs: the tensors that exist before the step, counted in the peak from
@@ -103,6 +103,8 @@ def measure_step(step: Callable[[], Any], *, model: nn.Module | None = None, opt
     leaves out the process cross-check (rss_peak_bytes, uss_bytes: None): reading USS parses
     /proc/self/smaps_rollup, ~7 ms, and the RSS sampler is a thread polling beside the step,
     which a caller that keeps only peak_bytes (the NeuroFlux profiler) need not pay for.
+    keep_grads: the step adds to the gradients there are (a micro-batch of an accumulating step that does
+    not open its group): they are held from the start, counted as such, not dropped first.
     """
     device = torch.device(device)
     if device.type not in ("cpu", "cuda"):
@@ -112,7 +114,7 @@ def measure_step(step: Callable[[], Any], *, model: nn.Module | None = None, opt
     params = _parameters(model, optimizer)
     buffers = [*model.buffers(), *_held_tensors(model)] if model is not None else []
 
-    if device.type == "cpu":
+    if device.type == "cpu" and not keep_grads:
         for p in params:      # what the step's zero_grad(set_to_none=True) frees first (see module docstring)
             p.grad = None
     with _collector_paused(full=device.type == "cuda"), \
@@ -146,7 +148,7 @@ def _cpu_allocator_peak(step: Callable[[], Any], params: list[Tensor], buffers: 
     most the step's own allocations reach (edgeflux.memory.allocator), and the bytes per category at that moment."""
     before: dict[int, tuple[str, int]] = {}
     for label, tensors in (("param", params), ("buffer", buffers), ("optimizer", _tensors_of_state(optimizer)),
-                           ("input", inputs)):
+                           ("grad", [p.grad for p in params if p.grad is not None]), ("input", inputs)):
         for t in tensors:
             st = _storage(t)
             if st is not None and st.nbytes():
@@ -219,8 +221,10 @@ def measure_training_step(model: nn.Module, make_step: StepFactory, warmup: tupl
         step = make_step(net)
         step(warmup[0].to(device), warmup[1].to(device))
         x, y = batch[0].to(device), batch[1].to(device)
+        accumulation = getattr(step, "accumulation", None)
         memory = measure_step(lambda: step(x, y), model=net, optimizer=step.optimizer, inputs=(x, y),
-                              units=step.units(), device=device, process_stats=process_stats)
+                              units=step.units(), device=device, process_stats=process_stats,
+                              keep_grads=accumulation is not None and accumulation.every > 1)
     if (stored := step.activation_storage()) is not None:
         memory.set_stored(*stored)
         entered = step.entered if isinstance(step.entered, list) else [step.entered]   # a block step: per unit

@@ -6,12 +6,13 @@
     edgeflux compare --last 3                     # recent pipeline runs side by side (MLflow), and a plot
     edgeflux report --open                        # reports/summary.md, then the report opened
     edgeflux export finetune-mobiletl             # one trained model as checked ONNX + TorchScript files
+    edgeflux plan --budget 16MB                   # every method's measured peak, batch and speed under a budget
     edgeflux servers | worker --pool pi | serve-cloud   # pipeline.servers and pipeline.cloud, unchanged
 
 The tools stay the source of truth: DVC decides what is stale and runs the stages, MLflow holds the runs,
 Prefect runs the workers; their output is streamed, not captured, and their exit code is this command's.
 Heavy imports (mlflow, matplotlib; torch, which validating params needs) happen inside the subcommand that
-needs them, so `--help` answers at once. One module per subcommand (run, status, compare, report, export; forward:
+needs them, so `--help` answers at once. One module per subcommand (run, status, compare, report, export, plan; forward:
 servers, worker, serve-cloud), what they share in common.py. docs/cli.md has more examples.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .common import RAW, Parser, UsageError, wrap
 from .compare import add_compare
 from .export import add_export
 from .forward import FORWARDED
+from .plan import add_plan
 from .report import add_report
 from .run import BUDGET_KEY, add_run
 from .status import add_status
@@ -38,6 +40,7 @@ examples:
   edgeflux compare --last 2                      # two pipeline runs side by side; reports/compare.png
   edgeflux report --open                         # the summary, and its plots opened
   edgeflux export finetune-mobiletl              # a trained model as checked ONNX + TorchScript files
+  edgeflux plan --budget 16MB                    # what a budget buys: every method measured and timed
   edgeflux servers --host 0.0.0.0 --init-auth --deploy   # cloud host: Prefect + MLflow servers
   edgeflux worker --pool pi --device-id pi-01    # device: a Prefect worker in this clone
   edgeflux serve-cloud                           # MEANet's cloud model over HTTP
@@ -56,6 +59,7 @@ def build_parser() -> Parser:
     add_compare(sub)
     add_report(sub)
     add_export(sub)
+    add_plan(sub)
     for name, (text, _) in FORWARDED.items():   # listed here; their own parsers read their flags
         sub.add_parser(name, help=text, add_help=False)
     return parser

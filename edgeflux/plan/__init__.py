@@ -1,0 +1,30 @@
+"""What a memory budget buys: every candidate method's measured step under the budget, and its speed.
+
+    rows = plan_training(model, train, opts)          # from scratch: backprop, BitTrain, the memory tricks
+    rows.append(plan_neuroflux(spec, train, nf_opts))  # NeuroFlux on the same model
+    rows = plan_finetune(pretrained, train, opts)     # every fine-tuning method, FT-All with the tricks
+    best = fastest(rows)                              # what method: auto trains with
+
+core.py: a candidate measured and timed, a row, the choice; finetune.py and neuroflux.py: their candidates (each
+stage imports only the part it runs).
+
+For each candidate the batch is chosen as its run chooses it (``edgeflux.backprop.fit_model_batch``: the largest
+whose measured step fits, or BudgetTooSmallError with the smallest feasible budget), then the step its run
+trains with (``edgeflux.train.fit_step``, on a copy) is timed over a few batches of the training data after one
+warm-up: samples per second, and from it the seconds an epoch of the training set takes (training only). What a
+candidate trades away is said beside it: recomputation, BatchNorm on micro-batches, the parameters it leaves
+frozen (an accuracy risk no few-step plan can measure).
+
+``method: auto`` (train_bp, finetune) trains with the fastest feasible candidate among those that train every
+parameter: the same model learns the same way, only how its memory is spent differs, so the fastest one reaches
+an accuracy soonest. Choosing *what* to train (FT-Bias's biases, MobileTL's top blocks) trades accuracy, which
+the table shows and the user decides.
+"""
+from edgeflux.lazy import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "core": ["BACKPROP_CANDIDATES", "FINETUNE_CANDIDATES", "FINETUNE_FULL", "NoFeasibleMethodError", "PlanRow",
+             "fastest", "plan_one", "plan_training", "time_step"],
+    "finetune": ["plan_finetune"],
+    "neuroflux": ["plan_neuroflux"],
+})

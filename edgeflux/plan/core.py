@@ -1,0 +1,130 @@
+"""The plan's core: a candidate's batch under the budget (measured as its run measures it) and its speed (its
+run's own step, timed), a row of the plan's table, and the choice method: auto makes (see edgeflux.plan)."""
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from edgeflux.backprop import fit_model_batch
+from edgeflux.data import batches
+from edgeflux.errors import UserError
+from edgeflux.memory import BudgetTooSmallError
+from edgeflux.memory.sizes import budget_at_least
+from edgeflux.models import count_params
+from edgeflux.options import TrainOptions
+from edgeflux.train import TrainResult, TrainRun, fit_step
+from edgeflux.tricks.options import backprop_label, backprop_options
+
+log = logging.getLogger(__name__)
+
+BACKPROP_CANDIDATES = ("backprop", "backprop-bittrain", "backprop-accumulate", "backprop-checkpoint",
+                       "backprop-fused_step", "backprop-checkpoint-fused_step", "backprop-bittrain-fused_step")
+FINETUNE_CANDIDATES = ("ft_all", "ft_all-bittrain", "ft_all-accumulate", "ft_all-checkpoint", "ft_all-fused_step",
+                       "ft_all-checkpoint-fused_step", "ft_last", "ft_bn", "ft_bias", "ft_blocks", "mobiletl",
+                       "mobiletl-bittrain", "elastic")
+TRADES = {"bittrain": "compression time (exact)", "accumulate": "BatchNorm on micro-batches",
+          "checkpoint": "recomputed forward", "fused_step": "no full gradient (no clipping)",
+          "ft_last": "classifier only", "ft_bn": "BatchNorm only", "ft_bias": "biases only",
+          "ft_bn_bias": "BatchNorm + biases only", "ft_blocks": "top blocks only",
+          "mobiletl": "top blocks, approximate gradients, int8 bottom", "elastic": "a selected subset per interval",
+          "neuroflux": "local losses, auxiliary heads"}
+NOISE = 0.05   # timing few steps: candidates within 5% of the fastest are as fast (the simplest of them is chosen)
+FINETUNE_FULL = tuple(c for c in FINETUNE_CANDIDATES if c.split("-")[0] == "ft_all")
+FULL = {"backprop", "ft_all"}   # the methods that train every parameter: what method: auto chooses among
+
+
+class NoFeasibleMethodError(RuntimeError, UserError):
+    """No candidate fits the budget."""
+
+
+@dataclass
+class PlanRow:
+    method: str                  # the name params take (train_bp.method, finetune.methods)
+    label: str
+    feasible: bool
+    batch: int | None            # the (micro-)batch the run would train at
+    samples_per_update: int | None
+    peak_bytes: int | None       # measured, at that batch
+    min_budget_bytes: int | None   # the smallest feasible budget (measured at batch 1) when infeasible
+    samples_per_s: float | None  # timed: the run's own step on the training data
+    epoch_s: float | None        # the training set over samples_per_s
+    trainable_params: int
+    trades: str
+    full: bool                   # trains every parameter (a candidate of method: auto)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _trades(spec: str) -> str:
+    parts = [p for p in spec.split("-") if p in TRADES]
+    return "; ".join(TRADES[p] for p in parts) or "-"
+
+
+def time_step(model: nn.Module, train: tuple, opts: TrainOptions, batch: int, run: TrainRun, steps: int) -> float:
+    """Samples per second of the step fit trains with at ``batch`` (on a copy of ``model``), over ``steps``
+    batches of the training data after one warm-up (and, with accumulation, whole groups)."""
+    x, y = train
+    step = fit_step(copy.deepcopy(model).to(run.device).train(), opts, batch, run, len(y))
+    hook = run.make_before_step(step, train, batch) if run.make_before_step else None
+    group = step.accumulation.every if step.accumulation is not None else 1
+    result, seen, elapsed = TrainResult(), 0, 0.0
+    feed = batches(x, y, batch, shuffle=True, seed=opts.seed)
+    for i, (xb, yb) in enumerate(feed):
+        if i == group * (steps + 1):
+            break
+        if hook is not None:
+            hook(result)
+        start = time.perf_counter()
+        step(xb.to(run.device), yb.to(run.device))
+        if i >= group:         # the first group warms up (an elastic hook profiles there)
+            elapsed, seen = elapsed + time.perf_counter() - start, seen + len(yb)
+    return seen / elapsed if elapsed > 0 else float("nan")
+
+
+def plan_one(spec: str, label: str, model: nn.Module, train: tuple, opts, run: TrainRun, steps: int) -> PlanRow:
+    """One candidate: its batch under opts' budget (measured) and its speed (timed)."""
+    trainable = count_params(model, trainable_only=True)
+    full = spec.split("-")[0] in FULL
+    try:
+        batch, _, memory = fit_model_batch(model, train, opts, opts, run)
+    except BudgetTooSmallError as e:
+        return PlanRow(spec, label, False, None, None, None, e.min_feasible_bytes, None, None, trainable,
+                       _trades(spec), full)
+    per_s = time_step(model, train, opts, batch, run, steps)
+    group = batch * max(1, run.tricks.effective_batch // batch) if run.tricks and run.tricks.accumulate else batch
+    log.info("plan %s: batch %d, %.1f samples/s", spec, batch, per_s)
+    return PlanRow(spec, label, True, batch, group, memory.peak_bytes, None, per_s, len(train[1]) / per_s,
+                   trainable, _trades(spec), full)
+
+
+def plan_training(model: nn.Module, train: tuple, opts, candidates=None, steps: int = 4,
+                  device: str | torch.device = "cpu") -> list[PlanRow]:
+    """Every from-scratch candidate (default: BACKPROP_CANDIDATES) for ``model`` under opts' budget."""
+    rows = []
+    for spec in candidates or BACKPROP_CANDIDATES:
+        o = backprop_options(spec, opts)
+        run = TrainRun(device, context=o.bittrain.context, tricks=o.tricks)
+        rows.append(plan_one(spec, backprop_label(spec), model, train, o, run, steps))
+    return rows
+
+
+def fastest(rows: list[PlanRow]) -> PlanRow:
+    """The feasible candidate that trains every parameter fastest (what method: auto runs): of those within NOISE
+    of the fastest samples/s, the one with the fewest modifiers (a few timed steps cannot tell them apart, and
+    each modifier trades something)."""
+    feasible = [r for r in rows if r.feasible and r.full]
+    if not feasible:
+        smallest = min((r.min_budget_bytes for r in rows if r.full and r.min_budget_bytes), default=None)
+        raise NoFeasibleMethodError("no method that trains every parameter fits the budget" + (
+            f"; the smallest budget any fits is {budget_at_least(smallest)}: raise device.budget to it" if smallest
+            else ""))
+    top = max(r.samples_per_s for r in feasible)
+    near = [r for r in feasible if r.samples_per_s >= (1 - NOISE) * top]
+    return min(near, key=lambda r: (r.method.count("-"), -r.samples_per_s))
+

@@ -1,0 +1,150 @@
+"""edgeflux.plan and `edgeflux plan`: every candidate measured under the budget as its run measures it, the
+smallest feasible budget of those that do not fit, and what method: auto chooses."""
+import json
+
+import pytest
+import torch
+
+from edgeflux.backprop import fit_model_batch
+from edgeflux.config import MemoryOptions, TrainBPParams
+from edgeflux.data import save_prepared, tensors
+from edgeflux.memory import BudgetTooSmallError
+from edgeflux.models import build_model
+from edgeflux.plan import NoFeasibleMethodError, PlanRow, fastest, plan_training
+from edgeflux.train import TrainRun
+from edgeflux.tricks import TrickOptions
+from edgeflux.tricks.options import backprop_label, backprop_options, parse_backprop
+
+MODEL = {"name": "vgg11", "width": 0.25}
+
+
+def section(budget: str, **extra) -> TrainBPParams:
+    return TrainBPParams.model_validate({"model": MODEL, "budget": budget, "max_batch": 64, "lr": 0.05, **extra})
+
+
+def test_a_budget_between_batch_one_of_backprop_and_of_the_step_in_backward(mnist_subset):
+    """Batch 1 of plain backprop holds every gradient; the step in backward holds one at a time. A budget between
+    the two: backprop is infeasible (its smallest budget is the measured batch-1 peak), the step in backward fits,
+    and auto chooses it."""
+    train = tensors(mnist_subset, "target_train", limit=256)
+    model = build_model(**MODEL, seed=0)
+    p = section("8MB")
+    need = {}
+    for name, tricks in (("plain", TrickOptions()), ("fused", TrickOptions(fused_step=True))):
+        with pytest.raises(BudgetTooSmallError) as e:
+            fit_model_batch(model, train, p, MemoryOptions(budget="1MB"), TrainRun(tricks=tricks))
+        need[name] = e.value.min_feasible_bytes
+    assert need["fused"] < need["plain"]
+    budget = f"{(need['fused'] + need['plain']) // 2}B"
+    rows = plan_training(model, train, section(budget), candidates=("backprop", "backprop-fused_step"), steps=2)
+    plain, fused = rows
+    assert not plain.feasible and plain.min_budget_bytes == need["plain"] and plain.batch is None
+    assert fused.feasible and fused.peak_bytes <= int(budget[:-1]) and fused.batch >= 1
+    assert fused.samples_per_s > 0 and fused.epoch_s == pytest.approx(256 / fused.samples_per_s)
+    assert fastest(rows).method == "backprop-fused_step"
+
+
+def test_each_row_is_the_batch_its_run_trains_at(mnist_subset):
+    train = tensors(mnist_subset, "target_train", limit=256)
+    model = build_model(**MODEL, seed=0)
+    p = section("12MB", tricks={"effective_batch": 64})
+    rows = plan_training(model, train, p, candidates=("backprop", "backprop-checkpoint", "backprop-accumulate"),
+                         steps=1)
+    for row in rows:
+        o = backprop_options(row.method, p)
+        batch, _, memory = fit_model_batch(model, train, o, o, TrainRun(context=o.bittrain.context, tricks=o.tricks))
+        assert (row.batch, row.peak_bytes) == (batch, memory.peak_bytes), row.method
+    accumulate = rows[2]
+    assert accumulate.samples_per_update == accumulate.batch * (64 // accumulate.batch)
+
+
+def _row(method: str, per_s: float | None, feasible: bool = True, full: bool = True, need: int | None = None):
+    return PlanRow(method, method, feasible, 8 if feasible else None, 8, 1 if feasible else None, need, per_s,
+                   1.0, 10, "-", full)
+
+
+def test_auto_is_the_fastest_full_method_and_the_simplest_within_timing_noise():
+    rows = [_row("backprop", 100), _row("backprop-checkpoint", 103), _row("backprop-fused_step", 130),
+            _row("ft_bias", 500, full=False)]
+    assert fastest(rows).method == "backprop-fused_step"            # 30% faster: chosen; ft_bias trains less
+    rows[2] = _row("backprop-fused_step", 104)
+    assert fastest(rows).method == "backprop"                        # all within 5%: the plain one
+    with pytest.raises(NoFeasibleMethodError, match=r"smallest budget any fits is 2\.0MiB"):
+        fastest([_row("backprop", None, feasible=False, need=2_000_000), _row("ft_bias", 500, full=False)])
+
+
+def test_method_names_of_train_bp():
+    assert parse_backprop("backprop-bittrain-checkpoint") == (True, ("checkpoint",))
+    assert backprop_label("backprop-fused_step-checkpoint") == "backprop + checkpointing + step in backward"
+    for bad in ("backprop-fused", "bp", "backprop-checkpoint-checkpoint"):
+        with pytest.raises(ValueError, match="auto, or backprop optionally followed by -bittrain"):
+            parse_backprop(bad)
+    with pytest.raises(ValueError, match="train_bp method 'backprop-x' is unknown"):
+        section("8MB", method="backprop-x")
+    assert section("8MB", method="auto").method == "auto"
+
+
+def test_the_plan_command_prints_and_writes_every_stage(mnist_subset, tmp_path, monkeypatch, capsys):
+    """`edgeflux plan` on a project's prepared data: a row per candidate, the auto choice marked, JSON written."""
+    from pathlib import Path
+
+    from pipeline import cli
+
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text((repo / "params.yaml").read_text())
+    save_prepared(mnist_subset, tmp_path / "data/prepared")
+    monkeypatch.setattr("edgeflux.plan.core.BACKPROP_CANDIDATES", ("backprop", "backprop-fused_step"))
+    torch.manual_seed(0)
+    assert cli.main(["plan", "--stage", "train_bp", "--budget", "16MB", "--steps", "1", "--json", "plan.json"]) == 0
+    out = capsys.readouterr().out
+    assert "train_bp under 15.3 MiB" in out and "<- auto" in out and "NeuroFlux" in out
+    plan = json.loads((tmp_path / "plan.json").read_text())["train_bp"]
+    assert plan["budget_bytes"] == 16_000_000
+    assert [r["method"] for r in plan["rows"]] == ["backprop", "backprop-fused_step", "neuroflux"]
+    assert plan["auto"] in ("backprop", "backprop-fused_step")
+    assert all(r["peak_bytes"] <= 16_000_000 for r in plan["rows"] if r["feasible"])
+
+
+def test_auto_in_the_stages_trains_with_the_plans_choice_and_logs_the_plan(mnist_subset, tmp_path, monkeypatch):
+    """train_bp's method auto and finetune's auto entry, run as the stages run them (in this process, on a small
+    project): each trains with the plan's fastest full candidate, says so in its metrics, and logs the table."""
+    import argparse
+    from pathlib import Path
+
+    import mlflow
+    import yaml
+
+    from edgeflux.artifacts import save_model
+    from edgeflux.config import validate
+    from stages import finetune as finetune_stage
+    from stages import train_bp as train_bp_stage
+
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(tmp_path)
+    save_prepared(mnist_subset, tmp_path / "data/prepared")
+    raw = yaml.safe_load((repo / "params.yaml").read_text())
+    raw["device"]["budget"] = "12MB"
+    raw["train_bp"].update(method="auto", max_train_samples=256, evals_per_epoch=1)
+    raw["finetune"].update(methods=["auto"], max_train_samples=128, evals_per_epoch=1)
+    params = validate(raw)
+    monkeypatch.setattr("edgeflux.plan.core.BACKPROP_CANDIDATES", ("backprop", "backprop-fused_step"))
+    monkeypatch.setattr("edgeflux.plan.core.FINETUNE_FULL", ("ft_all", "ft_all-fused_step"))
+    monkeypatch.setattr("edgeflux.plan.FINETUNE_FULL", ("ft_all", "ft_all-fused_step"), raising=False)
+    train_bp_stage.main(argparse.Namespace(params="params.yaml"), params)
+    spec = dict(name="mobilenet_v2", num_classes=10, in_channels=1, width=0.5, image_size=32, seed=0)
+    assert params.finetune.model == "mobilenet_v2-w0.5"
+    save_model(Path(f"models/pretrained/{params.finetune.model}.pt"), build_model(**spec), spec)
+    finetune_stage.main(argparse.Namespace(params="params.yaml", method="auto"), params)
+
+    client = mlflow.MlflowClient()
+    for stage, metrics in (("train_bp", "details/train_bp.json"),
+                           ("finetune@auto", "details/finetune/auto.json")):
+        detail = json.loads(Path(metrics).read_text())
+        run = client.search_runs([client.get_experiment_by_name("edgeflux").experiment_id],
+                                 f"tags.edgeflux.stage = '{stage}'")[0]
+        plan = json.loads(Path(client.download_artifacts(run.info.run_id, "plan.json", str(tmp_path))).read_text())
+        assert detail["method"] == plan["auto"] and detail["auto"] is True, stage
+        assert [r["method"] for r in plan["rows"]] in (["backprop", "backprop-fused_step"],
+                                                        ["ft_all", "ft_all-fused_step"])
+        assert detail["peak_mem_bytes"] <= 12_000_000
