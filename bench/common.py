@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shlex
 import socket
+import statistics
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -189,3 +191,34 @@ def bench_argparser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's choice, one per core)")
     return parser
+
+
+# Student's t, two-sided 95%, by degrees of freedom (n - 1); above 30 the normal's 1.96 is within 4%
+T975 = dict(enumerate((12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+                       2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+                       2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042), start=1))
+
+
+def mean_ci(values: list[float]) -> dict:
+    """Mean and 95% interval (Student's t) of the values; the interval needs two or more."""
+    n = len(values)
+    if n == 0:
+        return {"n": 0, "mean": None, "lo": None, "hi": None}
+    mean = statistics.fmean(values)
+    half = T975.get(n - 1, 1.96) * statistics.stdev(values) / math.sqrt(n) if n > 1 else None
+    return {"n": n, "mean": mean, "lo": None if half is None else mean - half,
+            "hi": None if half is None else mean + half}
+
+
+def fmt_ci(ci: dict, unit: str = "", digits: int = 3) -> str:
+    if not ci["n"]:
+        return "-"
+    text = f"{ci['mean']:.{digits}g}{unit}"
+    return text + (f" [{ci['lo']:.{digits}g}, {ci['hi']:.{digits}g}]" if ci["lo"] is not None else "") + \
+        f" (n={ci['n']})"
+
+
+# one colour per method in every figure (matplotlib's tab10 order)
+METHOD_COLOURS = {"NeuroFlux": "#1f77b4", "backprop": "#ff7f0e", "plain backprop": "#ff7f0e", "classic LL": "#2ca02c",
+                  "checkpointing": "#d62728", "step in backward": "#9467bd",
+                  "checkpointing + step in backward": "#8c564b", "accumulation": "#bcbd22"}

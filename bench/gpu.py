@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 import subprocess
 import sys
 import time
@@ -41,7 +39,7 @@ from pathlib import Path
 import torch
 
 from bench import batch_throughput, neuroflux
-from bench.common import RESULTS_DIR, BenchResult, HelpFormatter, program_name
+from bench.common import METHOD_COLOURS, RESULTS_DIR, BenchResult, HelpFormatter, fmt_ci, mean_ci, program_name
 from bench.gpu_parts import (aggregate_neuroflux, bittrain_rows, budgeted_runs, finetune_rows, memory_rows,
                               plot_memory, plot_neuroflux)
 from edgeflux.memory import format_bytes
@@ -49,7 +47,6 @@ from edgeflux.memory import format_bytes
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("tests", "memory", "neuroflux", "throughput", "bittrain", "finetune")
 # t quantiles (0.975) for the 95% interval of a mean over n runs, by n - 1
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 NEEDS_S = {"tests": 30, "memory": 40, "bittrain": 40, "finetune": 60, "neuroflux": 95, "throughput": 60}
 FULL = {"nf": ["--models", "vgg16", "--width", "1.0", "--budgets-mib", "250", "500", "--train-samples", "15000",
                "--eval-samples", "2000", "--test-samples", "0", "--epochs", "2", "--bp-epochs", "3",
@@ -90,25 +87,6 @@ def done(path: Path) -> bool:
         return json.loads(path.read_text()).get("complete", False)
     except (OSError, ValueError):
         return False
-
-
-def mean_ci(values: list[float]) -> dict:
-    """Mean and 95% interval (Student's t) of the values; the interval needs two or more."""
-    n = len(values)
-    if n == 0:
-        return {"n": 0, "mean": None, "lo": None, "hi": None}
-    mean = statistics.fmean(values)
-    half = T975.get(n - 1, 1.96) * statistics.stdev(values) / math.sqrt(n) if n > 1 else None
-    return {"n": n, "mean": mean, "lo": None if half is None else mean - half,
-            "hi": None if half is None else mean + half}
-
-
-def fmt_ci(ci: dict, unit: str = "", digits: int = 3) -> str:
-    if not ci["n"]:
-        return "-"
-    text = f"{ci['mean']:.{digits}g}{unit}"
-    return text + (f" [{ci['lo']:.{digits}g}, {ci['hi']:.{digits}g}]" if ci["lo"] is not None else "") + \
-        f" (n={ci['n']})"
 
 
 # ----------------------------------------------------------------------------------------------- parts
@@ -268,7 +246,7 @@ def write_neuroflux(args, name: str, runs: list[dict], complete: bool, measured_
                        f"Settings: {runs[0]['notes']}",
                  extra={"speedups": speedups, "targets": goals, "seed_runs": [r["command"] for r in runs],
                         "complete": complete}, measured_by=measured_by)
-    plot_neuroflux(runs, args.out / f"{name}.png", target, neuroflux.COLORS)
+    plot_neuroflux(runs, args.out / f"{name}.png", target, METHOD_COLOURS)
 
 
 def part_throughput(args, name: str) -> None:

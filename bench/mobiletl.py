@@ -55,7 +55,6 @@ from edgeflux.finetune import prepare as prepare_method
 from edgeflux.memory import (MiB, BudgetTooSmallError, TrainStep, format_bytes, measure_training_step,
                              saved_bytes_by_node)
 from edgeflux.mobiletl import sign_backward, transform_block
-from edgeflux.tricks import lean_layers
 from edgeflux.models import build_model, count_params
 from edgeflux.models.units import train_mode
 from edgeflux.train import TrainOptions, TrainRun, optimizer_factory
@@ -254,8 +253,6 @@ def measure_method(pretrained: nn.Module, method: str, opts: FinetuneOptions, ca
     and saved bytes of a steady-state step, counted FLOPs, trainable parameters, median step latency."""
     float_model = copy.deepcopy(pretrained)
     net = prepare_method(method, float_model, opts, calibration, "cpu").model
-    if opts.lean_layers:   # as edgeflux.finetune.finetune trains it
-        lean_layers(net, frozen=method != "elastic")
     make_step = TrainStep.factory(optimizer_factory(opts), context=opts.bittrain.context)
     mem = measure_training_step(net, make_step, warm, batch, "cpu", process_stats=False)
     fwd, bwd = count_flops(float_model, net, *batch)

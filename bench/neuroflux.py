@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS_DIR, BenchResult, HelpFormatter, program_name
+from bench.common import METHOD_COLOURS, RESULTS_DIR, BenchResult, HelpFormatter, program_name
 from edgeflux.backprop import train_under_budget
 from edgeflux.config import MemoryOptions, NeuroFluxParams
 from edgeflux.data import load_raw, prepare, tensors
@@ -53,7 +53,6 @@ from edgeflux.train import TrainRun, optimizer_factory
 
 log = logging.getLogger("bench.neuroflux")
 METHODS = {"neuroflux": "NeuroFlux", "backprop": "backprop", "classic": "classic LL"}
-COLORS = {"NeuroFlux": "tab:blue", "backprop": "tab:orange", "classic LL": "tab:green"}   # the same in every figure
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -129,7 +128,8 @@ def run_backprop(spec, splits, opts, budget, args) -> dict:
             "samples_per_s": run.train.steps * run.batch_size / max(run.train.train_time_s, 1e-9)}
 
 
-def run_local(spec, splits, opts, budget, args, classic: bool) -> dict:
+def run_local(spec, splits, opts, budget, args, classic: bool, until=None) -> dict:
+    """until(run): stop starting blocks (classic local learning: after args.time_limit s of training)."""
     method = "classic LL" if classic else "NeuroFlux"
     if classic:   # the baseline as published: one lr for every unit
         opts = opts.model_copy(update={"lr_scaling": "constant"})
@@ -149,7 +149,7 @@ def run_local(spec, splits, opts, budget, args, classic: bool) -> dict:
             run = train_blocks(learners, blocks, splits, opts, workdir=Path(tmp) / "cache", budget_bytes=budget,
                                cache=CacheOptions(storage="float16"), use_cache=not classic, desc=method,
                                split_rho=None if classic else 0.4,
-                               time_limit_s=args.time_limit if classic else None, device=args.device)
+                               until=(lambda r: r.train_time_s >= args.time_limit) if classic else until, device=args.device)
     except BudgetTooSmallError as exc:
         return {"method": method, "feasible": False, "min_feasible_bytes": exc.min_feasible_bytes}
     params = [exit_params(learners, k) for k in range(len(learners))]
@@ -186,7 +186,7 @@ def plot(rows: list[dict], path: Path, target: float) -> None:
             for r in rows:
                 if r["model"] == model and r["budget_frac_of_bp_min"] == frac and r.get("curve"):
                     t, acc = zip(*r["curve"])
-                    ax.plot(t, acc, marker=".", label=r["method"], color=COLORS[r["method"]])
+                    ax.plot(t, acc, marker=".", label=r["method"], color=METHOD_COLOURS[r["method"]])
             budget = next(r["budget_bytes"] for r in rows if r["model"] == model and r["budget_frac_of_bp_min"] == frac)
             ax.axhline(target, color="grey", linestyle="--", linewidth=1)
             ax.set(title=f"{model}, budget {format_bytes(budget)} ({frac:g}x BP min)", xlabel="training time (s)",

@@ -1,9 +1,10 @@
 """What the memory tricks and lean frozen layers save, measured (edgeflux.tricks).
 
 (a) lean frozen layers: for every fine-tuning method, the measured peak and saved bytes of one steady-state
-    training step of the method's prepared model, with torch's layers (``finetune.lean_layers: false``) and
-    with lean ones (the default), at the papers' batch 8 and at the workload's. The TinyTL relation the lean layers restore: FT-Bias at or
-    below MobileTL. ElasticTrainer is left out: its batch is measured with every tensor training (ft_all's step).
+    training step of the method's prepared model, and its median step time, with torch's layers
+    (``finetune.lean_layers: false``) and with lean ones (the default), at the papers' batch 8 and at the
+    workload's. The TinyTL relation the lean layers restore: FT-Bias at or below MobileTL. ElasticTrainer is
+    left out: its batch is measured with every tensor training (ft_all's step).
 (b) the tricks, training from scratch: plain backprop, accumulation (micro-batches of half the batch adding up
     to it), checkpointing, the step in backward, and checkpointing with the step in backward: the measured
     peak at the batch and at batch 1, the gradients and activations alive at that peak, and the median step
@@ -24,7 +25,7 @@ import copy
 
 import torch
 
-from bench.common import BenchResult, bench_argparser
+from bench.common import METHOD_COLOURS, BenchResult, bench_argparser
 from bench.mobiletl import median_step_time
 from edgeflux.finetune import FinetuneOptions, prepare
 from edgeflux.memory import measure_training_step
@@ -32,7 +33,7 @@ from edgeflux.models import build_model
 from edgeflux.neuroflux.plots import _pyplot, _save
 from edgeflux.step import TrainStep, Tricks
 from edgeflux.train import TrainOptions, optimizer_factory
-from edgeflux.tricks import Accumulation, TrickOptions, lean_layers
+from edgeflux.tricks import Accumulation, TrickOptions
 
 NAME, MIB = "tricks", 2**20
 METHODS = ("ft_all", "ft_last", "ft_bn", "ft_bn_bias", "ft_bias", "ft_blocks", "mobiletl")
@@ -42,7 +43,6 @@ WORKLOADS = {   # (fine-tuned model, from-scratch model, channels, size, batch)
     "default": (dict(name="mobilenet_v2", width=0.5), dict(name="vgg16", width=0.25), 1, 32, 128),
     "realistic": (dict(name="mobilenet_v2", arch="torchvision"), dict(name="resnet18", arch="torchvision"), 3, 128, 32),
 }
-TRICK_COLOURS = ("#555555", "#2ca02c", "#d62728", "#9467bd", "#ff7f0e")   # in TRICKS' order
 PAPER_BATCH = 8   # MobileTL's and TinyTL's fine-tuning batch
 TRICKS = {"plain backprop": {}, "accumulation": {"accumulate": True}, "checkpointing": {"checkpoint": True},
           "step in backward": {"fused_step": True},
@@ -54,13 +54,13 @@ def batch(channels: int, size: int, n: int, seed: int = 0) -> tuple[torch.Tensor
     return torch.randn(n, channels, size, size, generator=g), torch.randint(0, 10, (n,), generator=g)
 
 
-def lean_rows(workload: str) -> list[dict]:
+def lean_rows(workload: str, steps: int) -> list[dict]:
     spec, _, channels, size, n = WORKLOADS[workload]
     model = build_model(**spec, num_classes=10, in_channels=channels, image_size=size, seed=0)
-    return [row for b in (PAPER_BATCH, n) for row in lean_rows_at(workload, model, b)]
+    return [row for b in (PAPER_BATCH, n) for row in lean_rows_at(workload, model, b, steps)]
 
 
-def lean_rows_at(workload: str, model, n: int) -> list[dict]:
+def lean_rows_at(workload: str, model, n: int, steps: int) -> list[dict]:
     _, _, channels, size, _ = WORKLOADS[workload]
     x, y = batch(channels, size, n)
     opts = TrainOptions(optimizer="adam", lr=1e-3)
@@ -68,14 +68,15 @@ def lean_rows_at(workload: str, model, n: int) -> list[dict]:
     for method in METHODS:
         row = {"workload": workload, "method": LABELS[method], "batch": n}
         for lean in (False, True):
-            net = prepare(method, copy.deepcopy(model), FinetuneOptions(), [batch(channels, size, 32)[0]]).model
-            if lean:
-                lean_layers(net)
-            step = measure_training_step(net, TrainStep.factory(optimizer_factory(opts)), (x, y), (x, y),
-                                         process_stats=False)
+            net = prepare(method, copy.deepcopy(model), FinetuneOptions(lean_layers=lean),
+                          [batch(channels, size, 32)[0]]).model
+            make_step = TrainStep.factory(optimizer_factory(opts))
+            step = measure_training_step(net, make_step, (x, y), (x, y), process_stats=False)
             key = "lean" if lean else "torch"
             row[f"peak_{key}_mib"], row[f"saved_{key}_mib"] = step.peak_bytes / MIB, step.saved_bytes / MIB
+            row[f"step_{key}_ms"] = 1000 * median_step_time(net, make_step, x, y, 1, steps)
         row["peak_saving"] = 1 - row["peak_lean_mib"] / row["peak_torch_mib"]
+        row["time_ratio"] = row["step_lean_ms"] / row["step_torch_ms"]
         rows.append(row)
         print(f"{workload} {row['method']} at {n}: {row['peak_torch_mib']:.1f} -> {row['peak_lean_mib']:.1f} MiB",
               flush=True)
@@ -135,8 +136,9 @@ def plot(lean: list[dict], tricks: list[dict], out) -> None:
         if not rows:
             ax.set_visible(False)
             continue
-        for r, colour in zip(rows, TRICK_COLOURS):
-            ax.scatter(r["time_ratio"], r["peak_mib"], s=80, color=colour, label=r["method"], edgecolor="black")
+        for r in rows:
+            ax.scatter(r["time_ratio"], r["peak_mib"], s=80, color=METHOD_COLOURS[r["method"]], label=r["method"],
+                       edgecolor="black")
         ax.set_xlabel("step time per sample, relative to plain backprop")
         ax.set_ylabel(f"measured step peak at batch {rows[0]['batch']} (MiB)")
         ax.set_ylim(0, max(r["peak_mib"] for r in rows) * 1.1)
@@ -166,7 +168,7 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     workloads = ["default"] if args.quick else args.workloads
-    lean = [r for w in workloads for r in lean_rows(w)]
+    lean = [r for w in workloads for r in lean_rows(w, 2 if args.quick else args.steps)]
     tricks = [r for w in workloads for r in trick_rows(w, 2 if args.quick else args.steps)]
     result = BenchResult()
     for r in lean:
@@ -179,7 +181,7 @@ def main(argv=None) -> None:
     plot(lean, tricks, args.out / f"{NAME}.png")
     result.write(NAME, args.out, title="Lean frozen layers and the memory tricks: measured step peaks",
                  columns=["workload", "method", "batch", "peak_torch_mib", "peak_lean_mib", "peak_saving",
-                          "saved_torch_mib", "saved_lean_mib"],
+                          "saved_torch_mib", "saved_lean_mib", "step_torch_ms", "step_lean_ms", "time_ratio"],
                  notes=f"The TinyTL relation with lean layers, {relation}. Accumulation's row: two micro-batches "
                        "of half the batch, measured where the second closes the group (the first's gradients "
                        "held); its time is both micro-batches'. Times: medians of this run on this machine.")

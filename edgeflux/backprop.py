@@ -8,6 +8,7 @@ smallest feasible budget is.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -28,6 +29,7 @@ class BudgetedRun:
     train: TrainResult
     test_acc: float
     params: int
+    measure_s: float = 0.0              # wall seconds spent finding batch_size (measured steps), before training
 
     def metrics(self) -> dict:
         """Flat metrics under the names every stage shares (see edgeflux.tracking)."""
@@ -93,11 +95,14 @@ def train_under_budget(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor
     step uses its context and loss_fn too. The test split is scored once after training (and at every
     evaluation with run.track_test)."""
     run, memory = run or TrainRun(), memory or MemoryOptions()
+    started = time.perf_counter()
     batch, batch_fit, step_memory = fit_model_batch(model, train, opts, memory, run)
+    measure_s = time.perf_counter() - started
     # every batch, not only the measured ones, under the budget: content-dependent storage held to the measured
     bounds = stored_bounds(step_memory, memory.budget)
     result = fit(model, train, val, opts, batch, replace(run, desc=f"{run.desc} (batch {batch})",
                                                          stored_bound=bounds[0] if bounds else None), test)
-    test_acc = evaluate(model, *test, batch_size=batch, device=run.device)
+    test_acc = evaluate(model, *test, batch_size=run.eval_batch or batch, device=run.device)
     log.info("%s: test accuracy %.4f after %.1fs of training", run.desc, test_acc, result.train_time_s)
-    return BudgetedRun(batch, batch_fit, step_memory, result, test_acc, sum(p.numel() for p in model.parameters()))
+    return BudgetedRun(batch, batch_fit, step_memory, result, test_acc, sum(p.numel() for p in model.parameters()),
+                       measure_s)

@@ -121,6 +121,7 @@ class TrainResult:
     resumed_from_epoch: int = 0
     extra: dict = field(default_factory=dict)   # state a hook keeps (checkpointed with the run)
     split_batches: int = 0   # in this process: batches trained in halves to stay under the budget (StoredBound)
+    stopped: bool = False    # ended at an evaluation that met TrainRun.until, before its epochs were done
 
     @property
     def best_val_acc(self) -> float:
@@ -150,7 +151,10 @@ class TrainRun:
     same one; loss_fn(model(x), y) is the training loss (a model with several exits returns them all while
     training); make_before_step(step, train, batch_size) builds the loop's ``before_step`` hook for the step
     that trains (e.g. ElasticTrainer's selection); track_test: also record test accuracy at every evaluation
-    (time-to-target curves; never used to choose anything).
+    (time-to-target curves; never used to choose anything). until(row): training ends after the first
+    evaluation whose row makes it true (a benchmark's target accuracy or time limit), mid-epoch or not.
+    eval_batch: the evaluations' batch (None: the training batch, whose inference fits the budget; a benchmark
+    that does not time evaluation may evaluate faster at a larger one).
     """
     device: torch.device | str = "cpu"
     checkpoint: Path | None = None
@@ -164,6 +168,8 @@ class TrainRun:
     make_before_step: Callable[[Step, tuple, int], Callable[[TrainResult], None]] | None = None
     track_test: bool = False
     stored_bound: StoredBound | None = None
+    until: Callable[[dict], bool] | None = None
+    eval_batch: int | None = None
     tricks: TrickOptions | None = None   # memory tricks (edgeflux.tricks) of the step that trains and is measured
 
     def step_tricks(self, micro: int, measuring: bool = False) -> Tricks | None:
@@ -226,6 +232,8 @@ def train_loop(step: Step, batches: Callable[[int], Iterable[tuple[Tensor, Tenso
         task = progress.add_task(run.desc, total=total, completed=result.epochs_done * steps_per_epoch, status="")
         for epoch in range(result.epochs_done, epochs):
             _run_epoch(loop, batches(epoch), epoch, result, progress, task)
+            if result.stopped:
+                break
             result.epochs_done = epoch + 1
             if checkpoint is not None:
                 save_checkpoint(checkpoint, {
@@ -279,6 +287,9 @@ def _run_epoch(loop: _Loop, epoch_batches: Iterable[tuple[Tensor, Tensor]], epoc
             log.info("%s: epoch %.2f step %d loss %.4f val_acc %.4f (%.1fs training, %.1f CPU s)", loop.run.desc,
                      row["epoch"], row["step"], row["train_loss"], row["val_acc"], row["time_s"], row["cpu_s"])
             progress.update(task, status=f"loss {row['train_loss']:.3f} val {row['val_acc']:.3f}")
+            if loop.run.until is not None and loop.run.until(row):
+                result.stopped = True
+                return
             loss_sum, loss_n = 0.0, 0
             tick, cpu_tick = time.perf_counter(), time.process_time()
         progress.advance(task)
@@ -307,9 +318,10 @@ def fit(model: nn.Module, train: tuple[Tensor | Images, Tensor], val: tuple[Tens
     step = fit_step(model.to(device), opts, batch_size, run, len(y_train))
 
     def evaluate_now() -> dict:
-        row = {"val_acc": evaluate(model, *val, batch_size=batch_size, device=device)}
+        size = run.eval_batch or batch_size
+        row = {"val_acc": evaluate(model, *val, batch_size=size, device=device)}
         if run.track_test:
-            row["test_acc"] = evaluate(model, *test, batch_size=batch_size, device=device)
+            row["test_acc"] = evaluate(model, *test, batch_size=size, device=device)
         return row
 
     schedule = Schedule(opts.epochs, math.ceil(len(x_train) / batch_size), opts.evals_per_epoch, opts.seed)

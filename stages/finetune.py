@@ -97,12 +97,9 @@ def main(args, params) -> None:
 
 def planned(model, train, p, device, run) -> str:
     """The plan's fastest feasible way to train every parameter (edgeflux.plan), its table logged."""
-    from edgeflux.plan import FINETUNE_FULL, fastest, plan_finetune   # (its imports: only when planning)
+    from edgeflux.plan import FINETUNE_FULL, auto_method, plan_finetune   # (its imports: only when planning)
 
-    rows = plan_finetune(model, train, p, candidates=FINETUNE_FULL, device=device)
-    chosen = fastest(rows).method
-    run.log_dict({"budget_bytes": p.budget, "auto": chosen, "rows": [r.to_dict() for r in rows]}, "plan.json")
-    return chosen
+    return auto_method(plan_finetune(model, train, p, candidates=FINETUNE_FULL, device=device), p.budget, run)
 
 
 def summary_rows(inputs: RowInputs) -> list[MethodRow]:

@@ -61,12 +61,9 @@ def choose_method(model, train, p, device, run) -> str:
     """train_bp.method, or with auto the plan's fastest feasible backprop (edgeflux.plan), its table logged."""
     if p.method != AUTO:
         return p.method
-    from edgeflux.plan import fastest, plan_training   # (its imports: only when planning)
+    from edgeflux.plan import auto_method, plan_training   # (its imports: only when planning)
 
-    rows = plan_training(model, train, p, device=device)
-    chosen = fastest(rows).method
-    run.log_dict({"budget_bytes": p.budget, "auto": chosen, "rows": [r.to_dict() for r in rows]}, "plan.json")
-    return chosen
+    return auto_method(plan_training(model, train, p, device=device), p.budget, run)
 
 
 def summary_rows(inputs: RowInputs) -> list[MethodRow]:

@@ -381,3 +381,51 @@ def test_realistic_reads_where_each_method_s_memory_goes_and_makes_the_photo_fol
     assert len(list(root.glob("train/*/*.png"))) == 20 and len(list(root.glob("test/*/*.png"))) == 10
     with Image.open(next(root.glob("test/*/*.png"))) as image:
         assert image.size == (realistic.PHOTO_SIZE,) * 2 and image.mode == "RGB"
+
+
+@pytest.mark.slow   # about a minute: make test-fast leaves it out
+def test_budget_quick_keeps_the_results_contract_and_combines(tmp_path):
+    """bench.budget's rows hold what checks outside it read; peaks within the budget; one row is auto's choice;
+    --combine re-renders the same rows."""
+    result = run_bench("budget", tmp_path, "--quick", "--threads", "1", timeout=900)
+    rows = result["rows"]
+    keys = {"workload", "model", "budget_bytes", "method", "n_seeds", "feasible", "peak_bytes", "time_to_target_s",
+            "ci95_s", "test_acc", "auto"}
+    assert all(keys <= set(r) for r in rows) and {r["method"] for r in rows} == set(result["settings"]["methods"])
+    for r in rows:
+        if r["feasible"]:
+            assert r["peak_bytes"] <= r["budget_bytes"] and r["within_budget"] and 0 < r["test_acc"] <= 1
+        else:
+            assert r["min_feasible_bytes"] > r["budget_bytes"]
+    assert sum(r["auto"] for r in rows) == 1
+    assert next(r for r in rows if r["auto"])["method"] in {p["method"] for p in rows[0]["auto_plan"]}
+    assert (tmp_path / "budget.png").stat().st_size > 10_000 and "| vgg11-w0.125 |" in (tmp_path / "budget.md").read_text()
+    again = tmp_path / "again"
+    subprocess.run([sys.executable, "-m", "bench.budget", "--combine", str(tmp_path / "budget.json"), "--out",
+                    str(again)], cwd=REPO, check=True, capture_output=True, text=True, timeout=300)
+    assert json.loads((again / "budget.json").read_text())["rows"] == rows
+
+
+def test_budget_verdicts_pair_auto_with_the_fastest_by_seed():
+    """auto's time is its choice's plus the plan's, over the fastest's, seed by seed; within 10% only when the
+    whole 95% interval is."""
+    from bench.budget import verdicts
+
+    def row(method, times, auto=False, plan_s=1.0):
+        done = all(t is not None for t in times)
+        return {"model": "m", "budget_bytes": 100, "budget_frac": 0.5, "method": method, "label": method,
+                "auto": auto, "auto_plan_s": plan_s, "times": times,
+                "time_to_target_s": sum(times) / len(times) if done else None}
+    [v] = verdicts([row("a", [10.0, 11.0, 12.0]), row("b", [20.0, 22.0, 24.0], auto=True),
+                    row("neuroflux", [30.0, None, 30.0])])
+    assert v["fastest"] == "a" and v["auto"] == "b" and v["neuroflux_s"] is None
+    assert v["auto_ratio"] == pytest.approx((21 / 10 + 23 / 11 + 25 / 12) / 3) and v["auto_within_10pct"] is False
+    [v] = verdicts([row("a", [10.0, 11.0, 12.0], auto=True, plan_s=0.1), row("b", [20.0, 22.0, 24.0])])
+    assert v["fastest"] == v["auto"] == "a" and v["auto_ratio"] == pytest.approx(1.0 + 0.1 * (1 / 10 + 1 / 11 + 1 / 12) / 3)
+    assert v["auto_within_10pct"] is True
+    [v] = verdicts([row("a", [10.0, 11.0, 12.0]), row("b", [20.0, None, 24.0], auto=True)])
+    assert v["auto_within_10pct"] is False and v["auto_ratio"] is None
+    # NeuroFlux fastest: auto (which chooses among the backprop methods) is judged against both
+    [v] = verdicts([row("a", [10.0, 11.0, 12.0], auto=True, plan_s=0.1), row("neuroflux", [5.0, 6.0, 5.0])])
+    assert v["fastest"] == "neuroflux" and v["fastest_backprop"] == "a" and v["neuroflux_s"] == pytest.approx(16 / 3)
+    assert v["auto_within_10pct"] is False and v["auto_within_10pct_backprop"] is True and v["auto_is_fastest_backprop"]

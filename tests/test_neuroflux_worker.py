@@ -334,19 +334,21 @@ def test_a_block_too_big_for_the_budget_is_split_not_abandoned(mnist_subset, tmp
     assert all(b.peak_bytes <= budget for b in result.blocks)
 
 
-def test_time_limit_stops_before_the_next_block_and_says_so(mnist_subset, tmp_path):
-    """Benchmarks cap slow baselines: once the limit is spent no block starts; finished blocks stay."""
+def test_until_stops_before_the_next_block(mnist_subset, tmp_path):
+    """Benchmarks cap slow baselines (a time limit): once until holds no block starts; finished blocks stay."""
     _, learners = build_learners(SPEC, AUX)
     blocks = three_blocks(len(learners))
     data = splits(mnist_subset, 64, 32)
     capped = train_blocks(learners, blocks, data, opts(epochs=1), workdir=tmp_path / "c",
-                          cache=CacheOptions(shard_samples=64), time_limit_s=1e-9)
+                          cache=CacheOptions(shard_samples=64),
+                          until=lambda run: run.train_time_s > 0)
     assert not capped.complete and [tuple(b.units) for b in capped.blocks] == [blocks[0].units]
     assert all(capped.unit_val_acc[u] > 0 for u in blocks[0].units)
     assert all(capped.unit_val_acc[u] == 0 for b in blocks[1:] for u in b.units)
     _, learners = build_learners(SPEC, AUX)
     whole = train_blocks(learners, blocks, data, opts(epochs=1), workdir=tmp_path / "w",
-                         cache=CacheOptions(shard_samples=64), time_limit_s=1e9)
+                         cache=CacheOptions(shard_samples=64),
+                         until=lambda run: run.train_time_s > 1e9)
     assert whole.complete and len(whole.blocks) == len(blocks)
     assert whole.unit_val_acc[:2] == capped.unit_val_acc[:2]   # the same first block either way
 

@@ -69,8 +69,11 @@ def test_auto_is_the_fastest_full_method_and_the_simplest_within_timing_noise():
     assert fastest(rows).method == "backprop-fused_step"            # 30% faster: chosen; ft_bias trains less
     rows[2] = _row("backprop-fused_step", 104)
     assert fastest(rows).method == "backprop"                        # all within 5%: the plain one
-    with pytest.raises(NoFeasibleMethodError, match=r"smallest budget any fits is 2\.0MiB"):
+    with pytest.raises(NoFeasibleMethodError, match=r"smallest budget any fits is 2\.0MiB: raise device.budget to "
+                                                    r"it, or train block by block with NeuroFlux"):
         fastest([_row("backprop", None, feasible=False, need=2_000_000), _row("ft_bias", 500, full=False)])
+    with pytest.raises(NoFeasibleMethodError, match="or fine-tune less: finetune.methods mobiletl or ft_bias"):
+        fastest([_row("ft_all", None, feasible=False, need=2_000_000), _row("ft_bias", 500, full=False)])
 
 
 def test_method_names_of_train_bp():
@@ -131,6 +134,8 @@ def test_auto_in_the_stages_trains_with_the_plans_choice_and_logs_the_plan(mnist
     monkeypatch.setattr("edgeflux.plan.core.BACKPROP_CANDIDATES", ("backprop", "backprop-fused_step"))
     monkeypatch.setattr("edgeflux.plan.core.FINETUNE_FULL", ("ft_all", "ft_all-fused_step"))
     monkeypatch.setattr("edgeflux.plan.FINETUNE_FULL", ("ft_all", "ft_all-fused_step"), raising=False)
+    # the plan's last candidate, which the stage would never pick by itself: it must train what the plan chose
+    monkeypatch.setattr("edgeflux.plan.core.fastest", lambda rows: rows[-1])
     train_bp_stage.main(argparse.Namespace(params="params.yaml"), params)
     spec = dict(name="mobilenet_v2", num_classes=10, in_channels=1, width=0.5, image_size=32, seed=0)
     assert params.finetune.model == "mobilenet_v2-w0.5"
@@ -144,7 +149,8 @@ def test_auto_in_the_stages_trains_with_the_plans_choice_and_logs_the_plan(mnist
         run = client.search_runs([client.get_experiment_by_name("edgeflux").experiment_id],
                                  f"tags.edgeflux.stage = '{stage}'")[0]
         plan = json.loads(Path(client.download_artifacts(run.info.run_id, "plan.json", str(tmp_path))).read_text())
-        assert detail["method"] == plan["auto"] and detail["auto"] is True, stage
+        assert detail["method"] == plan["auto"] == plan["rows"][-1]["method"] and detail["auto"] is True, stage
+        assert detail["method"].endswith("-fused_step"), stage
         assert [r["method"] for r in plan["rows"]] in (["backprop", "backprop-fused_step"],
                                                         ["ft_all", "ft_all-fused_step"])
         assert detail["peak_mem_bytes"] <= 12_000_000

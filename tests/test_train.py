@@ -210,3 +210,17 @@ def test_before_step_can_change_what_trains_at_run_time(mnist_subset):
     assert not all(torch.equal(a, b) for a, b in zip(snapshot[0], snapshot[1]))    # step 1 trained the body
     assert all(torch.equal(a, b) for a, b in zip(snapshot[1], after))              # later steps did not
     assert all(p.requires_grad for p in head.parameters())
+
+
+def test_until_ends_the_run_at_the_evaluation_that_meets_it(mnist_subset):
+    """A benchmark's target: training stops after the first evaluation whose row satisfies ``until``, mid-epoch,
+    with the same curve up to there as the run that goes on."""
+    train, val = tensors(mnist_subset, "train", limit=512), tensors(mnist_subset, "val", limit=256)
+    torch.manual_seed(0)
+    whole = fit(small_model(mnist_subset), train, val, OPTS, batch_size=64)
+    torch.manual_seed(0)
+    stopped = fit(small_model(mnist_subset), train, val, OPTS, batch_size=64,
+                  run=TrainRun(until=lambda row: row["epoch"] >= 1.5))
+    assert stopped.stopped and not whole.stopped
+    assert stopped.steps == 12 and stopped.epochs_done == 1 and len(stopped.history) == 3
+    assert [r["val_acc"] for r in stopped.history] == [r["val_acc"] for r in whole.history[:3]]

@@ -221,10 +221,7 @@ def test_finetune_names_turn_tricks_on_and_lean_layers_help_ft_bias():
     x, y = _data(32)
     nets = {}
     for lean in (False, True):
-        net = prepare("ft_bias", copy.deepcopy(model), FinetuneOptions(), []).model
-        if lean:
-            lean_layers(net)
-        nets[lean] = net
+        nets[lean] = prepare("ft_bias", copy.deepcopy(model), FinetuneOptions(lean_layers=lean), []).model
     grads = {}
     for lean, net in nets.items():   # in float64: equal to autograd's but for rounding, whatever the depth
         wide = copy.deepcopy(net).double().train()

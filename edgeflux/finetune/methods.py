@@ -132,10 +132,14 @@ def method_options(spec: str, opts: FinetuneOptions) -> tuple[str, FinetuneOptio
 
 def prepare(method: str, model: UnitModel, opts: FinetuneOptions, calibration: list[Tensor],
             device: torch.device | str = "cpu") -> Prepared:
-    """Apply ``method`` to ``model`` in place (freezing, transforms); returns the module to train."""
+    """Apply ``method`` to ``model`` in place (freezing, transforms, and with opts.lean_layers the lean layers:
+    elastic, which re-selects what trains, gets the lean activations only); returns the module to train."""
     if method not in METHODS:
         raise ValueError(f"finetune method {method!r} is unknown; allowed: {', '.join(METHOD_NAMES)}")
-    return METHODS[method](model.to(device), opts, calibration, torch.device(device))
+    prepared = METHODS[method](model.to(device), opts, calibration, torch.device(device))
+    if opts.lean_layers:
+        prepared.info["lean_layers"] = lean_layers(prepared.model, frozen=method != "elastic")
+    return prepared
 
 
 def _conv_backward_flops(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation, transposed,
@@ -205,8 +209,6 @@ def finetune(model: UnitModel, method: str, opts: FinetuneOptions, train: tuple,
     spec, (method, opts) = method, method_options(method, opts)
     prepared = prepare(method, model, opts, calibration_batches(train[0], opts.calibration_batches), device)
     net = prepared.model
-    if opts.lean_layers:
-        prepared.info["lean_layers"] = lean_layers(net, frozen=method != "elastic")
     trainable = [name for name, p in net.named_parameters() if p.requires_grad]
     run = train_under_budget(net, train, val, test, opts, TrainRun(
         device, checkpoint=checkpoint, signature=run_signature(method=spec, start=start, info=prepared.info),

@@ -121,7 +121,7 @@ def train_blocks(learners: Sequence[LocalLearner], blocks: Sequence[Block],
                  cache: CacheOptions | None = None, use_cache: bool = True,
                  context: StepContext | None = None, signature: dict | None = None,
                  checkpoint_dir: Path | None = None, on_epoch_end=None, desc: str = "neuroflux",
-                 split_rho: float | None = None, time_limit_s: float | None = None) -> NeuroFluxRun:
+                 split_rho: float | None = None, until: Callable[[NeuroFluxRun], bool] | None = None) -> NeuroFluxRun:
     """Train ``learners`` block by block (Algorithm 2) and return what each block cost and scored.
 
     data: {"train"|"val"|"test": (x, y)} — the raw split tensors (block 0's input).
@@ -130,8 +130,8 @@ def train_blocks(learners: Sequence[LocalLearner], blocks: Sequence[Block],
     on_epoch_end(block_index, epoch): called after each epoch checkpoint (tests interrupt runs here).
     split_rho: a block of several units whose measured step fits only at a batch below
     (1 - split_rho) x its planned batch is split in two (None: only when batch 1 does not fit).
-    time_limit_s: no new block starts once this much training time is spent (benchmarks cap slow
-    baselines this way); the run then has fewer blocks than planned and ``complete`` is False.
+    until(run): no new block starts once it holds for the run so far (a benchmark's time limit or target
+    accuracy); the run then has fewer blocks than planned and ``complete`` is False.
     """
     if opts.augment.enabled:
         raise ValueError(AUGMENT_REFUSED)
@@ -144,9 +144,9 @@ def train_blocks(learners: Sequence[LocalLearner], blocks: Sequence[Block],
     run = NeuroFluxRun([], [], [0.0] * len(learners), [0.0] * len(learners))
     pending = deque(blocks)
     while pending:
-        if time_limit_s is not None and run.train_time_s >= time_limit_s:
-            log.warning("%s: time limit %.0fs reached after %d blocks; %d units left untrained", desc, time_limit_s,
-                        len(run.blocks), sum(len(b.units) for b in pending))
+        if until is not None and until(run):
+            log.warning("%s: stopped (until) after %d blocks and %.0fs of training; %d units left untrained", desc,
+                        len(run.blocks), run.train_time_s, sum(len(b.units) for b in pending))
             break
         planned = pending.popleft()
         block = Block(index=len(run.blocks), units=tuple(planned.units), batch_size=planned.batch_size)

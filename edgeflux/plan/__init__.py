@@ -16,15 +16,17 @@ candidate trades away is said beside it: recomputation, BatchNorm on micro-batch
 frozen (an accuracy risk no few-step plan can measure).
 
 ``method: auto`` (train_bp, finetune) trains with the fastest feasible candidate among those that train every
-parameter: the same model learns the same way, only how its memory is spent differs, so the fastest one reaches
-an accuracy soonest. Choosing *what* to train (FT-Bias's biases, MobileTL's top blocks) trades accuracy, which
-the table shows and the user decides.
+parameter: the same model and loss, only how memory is spent differs. Samples/s is not time to an accuracy:
+each candidate's batch sets its learning rate (lr_scaling) and accumulation makes fewer, larger updates, which
+a few timed steps cannot weigh; bench/budget.py measures what each reaches, and when (docs/tricks.md). Choosing
+*what* to train (FT-Bias's biases, MobileTL's top blocks) trades accuracy, which the table shows and the user
+decides.
 """
 from edgeflux.lazy import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "core": ["BACKPROP_CANDIDATES", "FINETUNE_CANDIDATES", "FINETUNE_FULL", "NoFeasibleMethodError", "PlanRow",
-             "fastest", "plan_one", "plan_training", "time_step"],
+             "auto_method", "fastest", "plan_one", "plan_training", "time_step"],
     "finetune": ["plan_finetune"],
     "neuroflux": ["plan_neuroflux"],
 })

@@ -18,6 +18,7 @@ from edgeflux.memory.sizes import budget_at_least
 from edgeflux.models import count_params
 from edgeflux.options import TrainOptions
 from edgeflux.train import TrainResult, TrainRun, fit_step
+from edgeflux.tricks.accumulate import Accumulation
 from edgeflux.tricks.options import backprop_label, backprop_options
 
 log = logging.getLogger(__name__)
@@ -34,8 +35,8 @@ TRADES = {"bittrain": "compression time (exact)", "accumulate": "BatchNorm on mi
           "mobiletl": "top blocks, approximate gradients, int8 bottom", "elastic": "a selected subset per interval",
           "neuroflux": "local losses, auxiliary heads"}
 NOISE = 0.05   # timing few steps: candidates within 5% of the fastest are as fast (the simplest of them is chosen)
-FINETUNE_FULL = tuple(c for c in FINETUNE_CANDIDATES if c.split("-")[0] == "ft_all")
 FULL = {"backprop", "ft_all"}   # the methods that train every parameter: what method: auto chooses among
+FINETUNE_FULL = tuple(c for c in FINETUNE_CANDIDATES if c.split("-")[0] in FULL)
 
 
 class NoFeasibleMethodError(RuntimeError, UserError):
@@ -97,7 +98,8 @@ def plan_one(spec: str, label: str, model: nn.Module, train: tuple, opts, run: T
         return PlanRow(spec, label, False, None, None, None, e.min_feasible_bytes, None, None, trainable,
                        _trades(spec), full)
     per_s = time_step(model, train, opts, batch, run, steps)
-    group = batch * max(1, run.tricks.effective_batch // batch) if run.tricks and run.tricks.accumulate else batch
+    group = Accumulation.for_epoch(len(train[1]), batch, run.tricks.effective_batch).effective \
+        if run.tricks and run.tricks.accumulate else batch
     log.info("plan %s: batch %d, %.1f samples/s", spec, batch, per_s)
     return PlanRow(spec, label, True, batch, group, memory.peak_bytes, None, per_s, len(train[1]) / per_s,
                    trainable, _trades(spec), full)
@@ -121,10 +123,21 @@ def fastest(rows: list[PlanRow]) -> PlanRow:
     feasible = [r for r in rows if r.feasible and r.full]
     if not feasible:
         smallest = min((r.min_budget_bytes for r in rows if r.full and r.min_budget_bytes), default=None)
+        scratch = any(r.method.startswith("backprop") for r in rows)
+        other = ("or train block by block with NeuroFlux (the neuroflux stage), which holds one block at a time"
+                 if scratch else "or fine-tune less: finetune.methods mobiletl or ft_bias (`edgeflux plan` lists them)")
         raise NoFeasibleMethodError("no method that trains every parameter fits the budget" + (
-            f"; the smallest budget any fits is {budget_at_least(smallest)}: raise device.budget to it" if smallest
-            else ""))
+            f"; the smallest budget any fits is {budget_at_least(smallest)}: raise device.budget to it, {other}"
+            if smallest else f"; {other}"))
     top = max(r.samples_per_s for r in feasible)
     near = [r for r in feasible if r.samples_per_s >= (1 - NOISE) * top]
     return min(near, key=lambda r: (r.method.count("-"), -r.samples_per_s))
+
+
+def auto_method(rows: list[PlanRow], budget_bytes: int, run) -> str:
+    """What ``method: auto`` trains with: the fastest feasible row's method; the whole plan is logged to the stage's
+    MLflow run (``run``: edgeflux.tracking's) as plan.json."""
+    chosen = fastest(rows).method
+    run.log_dict({"budget_bytes": budget_bytes, "auto": chosen, "rows": [r.to_dict() for r in rows]}, "plan.json")
+    return chosen
 

@@ -9,7 +9,6 @@ from torch import nn
 from edgeflux.finetune.methods import calibration_batches, method_options, prepare
 from edgeflux.finetune.options import FinetuneOptions, finetune_label
 from edgeflux.train import TrainRun
-from edgeflux.tricks.lean import lean_layers
 
 from .core import FINETUNE_CANDIDATES, PlanRow, plan_one
 
@@ -23,8 +22,6 @@ def plan_finetune(model: nn.Module, train: tuple, opts: FinetuneOptions, candida
         method, o = method_options(spec, opts)
         prepared = prepare(method, copy.deepcopy(model), o, calibration_batches(train[0], o.calibration_batches),
                            device)
-        if o.lean_layers:
-            lean_layers(prepared.model, frozen=method != "elastic")
         run = TrainRun(device, context=o.bittrain.context, tricks=o.tricks, make_before_step=prepared.make_before_step)
         rows.append(plan_one(spec, finetune_label(spec), prepared.model, train, o, run, steps))
     return rows

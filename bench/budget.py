@@ -1,0 +1,342 @@
+"""Time to a target test accuracy under a memory budget: the tricks a PyTorch user tries first, NeuroFlux and plain
+backprop, and the method ``method: auto`` picks.
+
+For each model, the reference is plain backprop's measured step peak at batch 32 (the batch a user would train at
+without a budget); the budgets are fractions of it (default 50%, 25%, 12.5%). At each budget, from each seed's
+weights and data order:
+
+* backprop and its tricks (edgeflux.tricks, as train_bp runs them): plain, gradient accumulation to an effective
+  batch of 32 (lr set for 32), checkpointing over units, the optimizer step in backward, and checkpointing with
+  the step in backward. Each trains at the largest (micro-)batch whose measured step fits the budget, lr 0.05 at
+  batch 32 scaled by sqrt to its batch; infeasible below its own smallest budget, which is reported;
+* NeuroFlux (the paper's Algorithm 1 and 2 as bench.neuroflux runs it: measured profile, blocks, cached
+  activations), its time including profiling.
+
+Time to target is wall seconds of training from the start, the batch search (backprop's measured steps) or
+profiling (NeuroFlux) included, evaluation excluded, to the first evaluation (4 per epoch; NeuroFlux: 2 per
+block epoch) whose accuracy on the whole 10,000-image test split reaches --target-acc; CPU seconds of training
+beside it (--test-samples: fewer, for --quick only). A run stops there, or at --time-limit seconds of training (then it did not reach the target). Per
+method and budget: mean and 95% interval (Student's t) over the seeds that reached the target; the time is
+reported only when every seed reached it. ``auto``: the plan edgeflux.plan makes at that budget among the
+backprop methods (``method: auto`` in train_bp), timed on seed 0; its time to target is its choice's plus the
+plan's own seconds.
+
+    python -m bench.budget --threads 2                       # default workload, 3 models, 3 seeds
+    python -m bench.budget --models vgg16 --out /tmp/b       # one model; --combine merges parts
+    python -m bench.budget --quick --out /tmp/bench
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import METHOD_COLOURS, BenchResult, HelpFormatter, fmt_ci, mean_ci, program_name, RESULTS_DIR
+from bench.neuroflux import run_local
+from edgeflux.backprop import train_under_budget
+from edgeflux.config import NeuroFluxParams, TrainBPParams
+from edgeflux.data import load_raw, prepare, tensors
+from edgeflux.memory import BudgetTooSmallError, format_bytes, measure_training_peak
+from edgeflux.models import ModelSpec, build_model
+from edgeflux.plan import fastest, plan_training
+from edgeflux.train import TrainRun, optimizer_factory
+from edgeflux.tricks import TrickOptions
+from edgeflux.tricks.options import backprop_options
+
+NAME = "budget"
+WORKLOAD = "default"   # Fashion-MNIST at 32 px, the zoo models (the realistic 128 px workload: not run yet)
+METHODS = {"backprop": "backprop", "backprop-accumulate": "accumulation", "backprop-checkpoint": "checkpointing",
+           "backprop-fused_step": "step in backward",
+           "backprop-checkpoint-fused_step": "checkpointing + step in backward", "neuroflux": "NeuroFlux"}
+BACKPROP_METHODS = tuple(m for m in METHODS if m != "neuroflux")
+REFERENCE_BATCH = 32
+EVAL_BATCH = 500   # evaluation is not timed: at the training batch it would take longer than the training
+log = logging.getLogger("bench.budget")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=program_name(), description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--quick", action="store_true", help="CI-sized: vgg11 w0.125, 512 images, one budget, 1 seed")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="directory for budget.{json,md,png}")
+    p.add_argument("--models", nargs="+", default=["vgg16", "resnet18", "mobilenet_v2"], help="zoo models")
+    p.add_argument("--width", type=float, default=0.25, help="width multiplier of every model")
+    p.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.25, 0.125],
+                   help="budgets as fractions of plain backprop's measured batch-32 peak")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds (weights, heads, data order)")
+    p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS), help="methods to run")
+    p.add_argument("--train-samples", type=int, default=8000, help="Fashion-MNIST training images (target split)")
+    p.add_argument("--val-samples", type=int, default=500, help="validation images (no choice here reads them)")
+    p.add_argument("--test-samples", type=int, default=None, help="test images (default: the whole test split)")
+    p.add_argument("--target-acc", type=float, default=0.80, help="target test accuracy")
+    p.add_argument("--epochs", type=int, default=4, help="at most this many epochs of backprop and its tricks")
+    p.add_argument("--nf-epochs", type=int, default=2, help="NeuroFlux epochs per block")
+    p.add_argument("--time-limit", type=float, default=180.0, help="seconds of training after which a run stops")
+    p.add_argument("--max-batch", type=int, default=256, help="batch size limit of every method")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (none: torch's choice)")
+    p.add_argument("--combine", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="instead of running: merge budget.json files of runs over different --models into --out")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.models, args.width, args.fractions, args.seeds = ["vgg11"], 0.125, [0.5], [0]
+        args.train_samples, args.val_samples, args.epochs, args.nf_epochs = 512, 128, 1, 1
+        args.target_acc, args.time_limit, args.test_samples = 0.5, 30.0, 1000
+    return args
+
+
+def time_to(history: list[dict], target: float, offset: float) -> tuple[float, float] | None:
+    """(wall s, training CPU s) at the first evaluation reaching the target, or None."""
+    row = next((r for r in history if r.get("test_acc", 0.0) >= target), None)
+    return (offset + row["time_s"], row.get("cpu_s")) if row else None
+
+
+def bp_options(method: str, spec: dict, budget: int | None, seed: int, args) -> TrainBPParams:
+    opts = TrainBPParams(model=ModelSpec(name=spec["name"], width=spec["width"]),
+                         budget=f"{budget}B" if budget else None,
+                         max_batch=args.max_batch, epochs=args.epochs, lr=0.05, lr_scaling="sqrt",
+                         lr_reference_batch=REFERENCE_BATCH, evals_per_epoch=4, seed=seed, device="cpu",
+                         tricks=TrickOptions(effective_batch=REFERENCE_BATCH))
+    return backprop_options(method, opts)
+
+
+def run_backprop(method: str, spec: dict, splits: dict, budget: int, seed: int, args) -> dict:
+    """One seed of backprop (with the method's tricks) to the target or the time limit."""
+    opts = bp_options(method, spec, budget, seed, args)
+
+    def until(row: dict) -> bool:
+        return row["test_acc"] >= args.target_acc or row["time_s"] >= args.time_limit
+    run = TrainRun("cpu", desc=f"{METHODS[method]} seed {seed}", track_test=True, tricks=opts.tricks, until=until,
+                   eval_batch=EVAL_BATCH)
+    try:
+        out = train_under_budget(build_model(**spec, seed=seed), splits["train"], splits["val"], splits["test"],
+                                 opts, run, opts)
+    except BudgetTooSmallError as exc:
+        return {"feasible": False, "min_feasible_bytes": exc.min_feasible_bytes}
+    return {"feasible": True, "peak_bytes": out.step_memory.peak_bytes, "batch": out.batch_size,
+            "to_target": time_to(out.train.history, args.target_acc, out.measure_s), "setup_s": out.measure_s,
+            "test_acc": out.test_acc, "curve": [[out.measure_s + r["time_s"], r["test_acc"]] for r in out.train.history],
+            "samples_per_s": out.train.steps * out.batch_size / max(out.train.train_time_s, 1e-9)}
+
+
+def run_neuroflux(spec: dict, splits: dict, budget: int, seed: int, args) -> dict:
+    opts = NeuroFluxParams(epochs=args.nf_epochs, lr=0.05, momentum=0.9, weight_decay=5e-4, evals_per_epoch=2,
+                           seed=seed, lr_scaling="sqrt", lr_reference_batch=REFERENCE_BATCH)
+    nf_args = argparse.Namespace(seed=seed, max_batch=args.max_batch, device="cpu", time_limit=args.time_limit)
+
+    def until(run) -> bool:   # between blocks: the target reached, or the time spent
+        return run.train_time_s >= args.time_limit or any(h.get("test_acc", 0) >= args.target_acc for h in run.history)
+    r = run_local({**spec, "seed": seed}, splits, opts, budget, nf_args, classic=False, until=until)
+    if not r["feasible"]:
+        return r
+    return {"feasible": True, "peak_bytes": r["peak_bytes"], "batch": r["batch_sizes"],
+            "to_target": time_to(r["history"], args.target_acc, r["offset"]), "setup_s": r["profile_s"],
+            "test_acc": r["test_acc"], "curve": [[r["offset"] + h["time_s"], h["test_acc"]] for h in r["history"]],
+            "samples_per_s": r["samples_per_s"]}
+
+
+def auto_choice(spec: dict, splits: dict, budget: int, args) -> dict:
+    """What method: auto trains with at this budget (seed 0's plan over the backprop methods) and the plan's
+    seconds; None when no backprop method fits."""
+    started = time.perf_counter()
+    opts = bp_options("backprop", spec, budget, args.seeds[0], args)
+    rows = plan_training(build_model(**spec, seed=args.seeds[0]), splits["train"], opts,
+                         candidates=[m for m in BACKPROP_METHODS if m in args.methods])
+    try:
+        chosen = fastest(rows).method
+    except RuntimeError:
+        chosen = None
+    return {"method": chosen, "plan_s": time.perf_counter() - started,
+            "plan": [{"method": r.method, "feasible": r.feasible, "batch": r.batch,
+                      "samples_per_s": r.samples_per_s} for r in rows]}
+
+
+def summary(model: str, method: str, budget: int, frac: float, runs: list[dict], auto: dict, args) -> dict:
+    """One row of the results contract: the method at one budget over its seeds."""
+    row = {"workload": WORKLOAD, "model": model, "budget_bytes": budget, "budget_frac": frac, "method": method,
+           "label": METHODS[method], "n_seeds": len(runs), "feasible": runs[0]["feasible"],
+           "auto": auto["method"] == method}
+    if not row["feasible"]:
+        return {**row, "min_feasible_bytes": runs[0]["min_feasible_bytes"], "peak_bytes": None,
+                "time_to_target_s": None, "ci95_s": None, "test_acc": None}
+    reached = [r["to_target"] for r in runs if r["to_target"]]
+    wall, cpu = mean_ci([t for t, _ in reached]), mean_ci([c for _, c in reached if c is not None])
+    acc = mean_ci([r["test_acc"] for r in runs])
+    every = len(reached) == len(runs)
+    return {**row, "peak_bytes": max(r["peak_bytes"] for r in runs), "batch": [r["batch"] for r in runs],
+            "reached": f"{len(reached)} of {len(runs)}", "time_to_target_s": wall["mean"] if every else None,
+            "times": [r["to_target"][0] if r["to_target"] else None for r in runs],
+            "ci95_s": [wall["lo"], wall["hi"]] if every and wall["lo"] is not None else None,
+            "cpu_to_target_s": cpu["mean"] if every else None, "time_ci": wall, "cpu_ci": cpu,
+            "test_acc": acc["mean"], "test_acc_ci": acc, "setup_s": mean_ci([r["setup_s"] for r in runs])["mean"],
+            "samples_per_s": mean_ci([r["samples_per_s"] for r in runs])["mean"],
+            "within_budget": all(r["peak_bytes"] <= budget for r in runs), "curves": [r["curve"] for r in runs]}
+
+
+def budget_rows(name: str, splits: dict, args) -> list[dict]:
+    spec = dict(name=name, num_classes=10, in_channels=1, width=args.width, image_size=32, batch_norm=True)
+    model = f"{name}-w{args.width:g}"
+    reference = measure_training_peak(build_model(**spec, seed=0), optimizer_factory(bp_options(
+        "backprop", spec, None, 0, args)), (1, 32, 32), 10, REFERENCE_BATCH, data=splits["train"],
+        process_stats=False).peak_bytes
+    rows = []
+    for frac in args.fractions:
+        budget = int(frac * reference)
+        print(f"{model}: budget {format_bytes(budget)} ({frac:g} x backprop's batch-{REFERENCE_BATCH} peak "
+              f"{format_bytes(reference)})", flush=True)
+        auto = auto_choice(spec, splits, budget, args)
+        for method in args.methods:
+            runs = []
+            for seed in args.seeds:
+                r = run_neuroflux(spec, splits, budget, seed, args) if method == "neuroflux" else \
+                    run_backprop(method, spec, splits, budget, seed, args)
+                runs.append(r)
+                if not r["feasible"]:
+                    break   # the budget, not the seed, decides
+            rows.append(summary(model, method, budget, frac, runs, auto, args))
+            rows[-1].update(reference_bytes=reference, auto_plan_s=auto["plan_s"], auto_plan=auto["plan"])
+            print(f"  {METHODS[method]}: {_cell(rows[-1])}", flush=True)
+    return rows
+
+
+def _interval(ci: list | None) -> str:
+    return f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci and ci[0] is not None else ""
+
+
+def _cell(row: dict) -> str:
+    if not row["feasible"]:
+        return f"infeasible (needs {format_bytes(row['min_feasible_bytes'])})"
+    return f"{fmt_ci(row['time_ci'], ' s')} to target ({row['reached']}), test acc {fmt_ci(row['test_acc_ci'])}"
+
+
+def verdicts(rows: list[dict]) -> list[dict]:
+    """Per model and budget: the fastest method to the target, NeuroFlux's time, auto's choice and its time as a
+    ratio (paired by seed: the choice's time plus the plan's, over the other's) of the fastest method's and of the
+    fastest among those auto chooses from (the backprop methods), and whether the ratio's 95% interval lies
+    within 10%."""
+    out = []
+    for key in dict.fromkeys((r["model"], r["budget_bytes"]) for r in rows):
+        group = [r for r in rows if (r["model"], r["budget_bytes"]) == key]
+        best, best_full = _fastest(group), _fastest([r for r in group if r["method"] != "neuroflux"])
+        nf = next((r for r in group if r["method"] == "neuroflux"), None)
+        chosen = next((r for r in group if r["auto"]), None)
+        entry = {"model": key[0], "budget_bytes": key[1], "budget_frac": group[0]["budget_frac"],
+                 "fastest": best["label"] if best else None, "fastest_s": best["time_to_target_s"] if best else None,
+                 "neuroflux_s": nf.get("time_to_target_s") if nf else None,
+                 "fastest_backprop": best_full["label"] if best_full else None,
+                 "auto": chosen["label"] if chosen else "no backprop method fits",
+                 "auto_is_fastest_backprop": (chosen is best_full) if chosen and best_full else None}
+        for suffix, other in (("", best), ("_backprop", best_full)):
+            entry.update(_auto_ratio(chosen, other, suffix))
+        out.append(entry)
+    return out
+
+
+def _fastest(group: list[dict]) -> dict | None:
+    return min((r for r in group if r.get("time_to_target_s") is not None), key=lambda r: r["time_to_target_s"],
+               default=None)
+
+
+def _auto_ratio(chosen: dict | None, other: dict | None, suffix: str) -> dict:
+    """auto's time to target over ``other``'s, paired by seed, with its 95% interval and the 10% verdict."""
+    keys = [f"auto_ratio{suffix}", f"auto_ratio{suffix}_ci", f"auto_within_10pct{suffix}"]
+    if not (chosen and other):
+        return dict.fromkeys(keys)
+    if chosen.get("time_to_target_s") is None:   # auto's choice did not reach the target in every seed
+        return dict(zip(keys, (None, None, False)))
+    ci = mean_ci([(a + chosen["auto_plan_s"]) / b for a, b in zip(chosen["times"], other["times"])])
+    return dict(zip(keys, (ci["mean"], [ci["lo"], ci["hi"]],
+                           (ci["hi"] if ci["hi"] is not None else ci["mean"]) <= 1.10)))
+
+
+def plot(rows: list[dict], path: Path, target: float) -> None:
+    """Time to target per method (mean and 95% interval), one panel per model, budgets along x."""
+    from edgeflux.neuroflux.plots import _pyplot, _save
+    plt = _pyplot()
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(max(9, 6 * len(models)), 5.5), squeeze=False)
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    for ax, model in zip(axes[0], models):
+        fracs = sorted({r["budget_frac"] for r in rows if r["model"] == model}, reverse=True)
+        width = 0.8 / len(methods)
+        for k, method in enumerate(methods):
+            for i, frac in enumerate(fracs):
+                r = next((r for r in rows if (r["model"], r["method"], r["budget_frac"]) == (model, method, frac)),
+                         None)
+                x = i + (k - (len(methods) - 1) / 2) * width
+                if r is None or not r["feasible"] or r["time_to_target_s"] is None:
+                    ax.text(x, 0, "x" if r is None or not r["feasible"] else "-", ha="center", va="bottom",
+                            color=METHOD_COLOURS[METHODS[method]], fontsize=9)
+                    continue
+                lo, hi = r["ci95_s"] or (r["time_to_target_s"],) * 2
+                ax.bar(x, r["time_to_target_s"], width, color=METHOD_COLOURS[METHODS[method]],
+                       edgecolor="black" if r["auto"] else "none", linewidth=1.5,
+                       yerr=[[r["time_to_target_s"] - lo], [hi - r["time_to_target_s"]]], capsize=3)
+        ax.set_xticks(range(len(fracs)), [f"{f:.1%} of backprop's\nbatch-{REFERENCE_BATCH} peak" for f in fracs])
+        ax.set(title=model, ylabel=f"seconds to {target:.0%} test accuracy (mean, 95% CI)")
+        ax.grid(axis="y", alpha=0.3)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=METHOD_COLOURS[METHODS[m]]) for m in methods]
+    handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black", linewidth=1.5))
+    fig.legend(handles, [METHODS[m] for m in methods] + ["method: auto's choice"], loc="upper center",
+               ncol=4, frameon=False, fontsize=9)
+    fig.text(0.5, 0.01, "x: cannot train at this budget;  -: not every seed reached the target in the time limit",
+             ha="center", fontsize=9)
+    fig.tight_layout(rect=(0, 0.04, 1, 0.92))
+    _save(fig, path)
+
+
+def write(rows: list[dict], args, notes: str, measured_by: dict | None = None) -> None:
+    result = BenchResult()
+    for r in rows:
+        result.add(**r)
+    judged = verdicts(rows)
+    result.add_section("Per budget: the fastest to the target, NeuroFlux, and what method: auto chose", [
+        {**v, "auto_ratio_ci": _interval(v["auto_ratio_ci"]), "auto_ratio_backprop_ci": _interval(
+            v["auto_ratio_backprop_ci"])} for v in judged],
+        {"model": "model", "budget_frac": "budget (x batch-32 peak)", "fastest": "fastest", "fastest_s": "its s",
+         "neuroflux_s": "NeuroFlux s", "auto": "auto chose", "auto_ratio": "auto / fastest", "auto_ratio_ci": "95% CI",
+         "auto_within_10pct": "within 10%", "fastest_backprop": "fastest backprop method",
+         "auto_is_fastest_backprop": "auto chose it",
+         "auto_ratio_backprop": "auto / it", "auto_ratio_backprop_ci": "95% CI ",
+         "auto_within_10pct_backprop": "within 10% "})
+    md = [{"model": r["model"], "budget": f"{format_bytes(r['budget_bytes'])} ({r['budget_frac']:g})",
+           "method": r["label"] + (" (auto)" if r["auto"] else ""),
+           "batch": "; ".join(str(b) for b in r.get("batch", [])) if r["feasible"] else "",
+           "peak": format_bytes(r["peak_bytes"]) if r["peak_bytes"] else "",
+           "to target": _cell(r).split(" to target")[0] if r["feasible"] else _cell(r),
+           "reached": r.get("reached", ""), "CPU s": f"{r['cpu_to_target_s']:.1f}" if r.get("cpu_to_target_s") else "",
+           "test acc": fmt_ci(r["test_acc_ci"]) if r["feasible"] else ""} for r in rows]
+    result.write(NAME, args.out, title=f"Time to {args.target_acc:.0%} test accuracy under a memory budget",
+                 md_rows=md, notes=notes, measured_by=measured_by,
+                 extra={"verdicts": judged, "settings": {k: str(v) if isinstance(v, Path) else v
+                                                         for k, v in vars(args).items() if k != "combine"}})
+    plot(rows, args.out / f"{NAME}.png", args.target_acc)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.combine:
+        parts = [json.loads(Path(p).read_text()) for p in args.combine]
+        args.target_acc = parts[0]["settings"]["target_acc"]
+        notes = " | ".join(f"`{part['command']}`: {part['notes']}" for part in parts)
+        return write([r for part in parts for r in part["rows"]], args, notes,
+                     measured_by={"machine": parts[0]["machine"], "command": " && ".join(p["command"] for p in parts)})
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    data = prepare(load_raw("fashion-mnist"), image_size=32, val_fraction=0.1, seed=0, split_by="data")
+    splits = {"train": tensors(data, "target_train", limit=args.train_samples),
+              "val": tensors(data, "target_val", limit=args.val_samples), "test": tensors(data, "target_test", limit=args.test_samples)}
+    started = time.perf_counter()
+    rows = [r for name in args.models for r in budget_rows(name, splits, args)]
+    write(rows, args, f"Workload {WORKLOAD}: Fashion-MNIST at 32 px, {args.train_samples} training images (target "
+          f"split), the whole test split ({len(splits['test'][1])} images); seeds {args.seeds}; at most "
+          f"{args.epochs} epochs (NeuroFlux: {args.nf_epochs} per block) or {args.time_limit:g} s of training; "
+          f"SGD momentum 0.9, lr 0.05 at batch {REFERENCE_BATCH} (sqrt-scaled); torch threads "
+          f"{torch.get_num_threads()}; bench time {time.perf_counter() - started:.0f} s.")
+
+
+if __name__ == "__main__":
+    main()
