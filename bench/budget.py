@@ -10,16 +10,18 @@ weights and data order:
   the step in backward. Each trains at the largest (micro-)batch whose measured step fits the budget, lr 0.05 at
   batch 32 scaled by sqrt to its batch; infeasible below its own smallest budget, which is reported;
 * NeuroFlux (the paper's Algorithm 1 and 2 as bench.neuroflux runs it: measured profile, blocks, cached
-  activations), its time including profiling.
+  activations), its time including profiling;
+* method: auto as train_bp runs it: edgeflux.plan measures and times every backprop method above on the seed's
+  model (train_bp's plan also has BitTrain's variants, left out here as they are above), and the fastest trains
+  from the batch the plan measured; its time includes the plan's seconds.
 
-Time to target is wall seconds of training from the start, the batch search (backprop's measured steps) or
-profiling (NeuroFlux) included, evaluation excluded, to the first evaluation (4 per epoch; NeuroFlux: 2 per
-block epoch) whose accuracy on the whole 10,000-image test split reaches --target-acc; CPU seconds of training
-beside it (--test-samples: fewer, for --quick only). A run stops there, or at --time-limit seconds of training (then it did not reach the target). Per
-method and budget: mean and 95% interval (Student's t) over the seeds that reached the target; the time is
-reported only when every seed reached it. ``auto``: the plan edgeflux.plan makes at that budget among the
-backprop methods (``method: auto`` in train_bp), timed on seed 0; its time to target is its choice's plus the
-plan's own seconds.
+Time to target is wall seconds of training from the start, the batch search (backprop's measured steps), the plan
+(auto) or profiling (NeuroFlux) included, evaluation excluded, to the first evaluation (4 per epoch; NeuroFlux: 2
+per block epoch) whose accuracy on the whole 10,000-image test split reaches --target-acc; CPU seconds of training
+beside it (--test-samples: fewer, for --quick only). A run stops there, or at --time-limit seconds of training
+(then it did not reach the target). Per method and budget: mean and 95% interval (Student's t) over the seeds that
+reached the target; the time is reported only when every seed reached it. The row of the method auto chose (most
+seeds' choice) says so; auto's time over the fastest method's is paired by seed.
 
     python -m bench.budget --threads 2                       # default workload, 3 models, 3 seeds
     python -m bench.budget --models vgg16 --out /tmp/b       # one model; --combine merges parts
@@ -28,21 +30,22 @@ plan's own seconds.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from bench.common import METHOD_COLOURS, BenchResult, HelpFormatter, fmt_ci, mean_ci, program_name, RESULTS_DIR
+from bench.common import (METHOD_COLOURS, BenchResult, HelpFormatter, fmt_ci, mean_ci, program_name, read_parts,
+                          RESULTS_DIR)
 from bench.neuroflux import run_local
 from edgeflux.backprop import train_under_budget
 from edgeflux.config import NeuroFluxParams, TrainBPParams
 from edgeflux.data import load_raw, prepare, tensors
 from edgeflux.memory import BudgetTooSmallError, format_bytes, measure_training_peak
 from edgeflux.models import ModelSpec, build_model
-from edgeflux.plan import fastest, plan_training
+from edgeflux.plan import NoFeasibleMethodError, fastest, plan_training
 from edgeflux.train import TrainRun, optimizer_factory
 from edgeflux.tricks import TrickOptions
 from edgeflux.tricks.options import backprop_options
@@ -51,40 +54,58 @@ NAME = "budget"
 WORKLOAD = "default"   # Fashion-MNIST at 32 px, the zoo models (the realistic 128 px workload: not run yet)
 METHODS = {"backprop": "backprop", "backprop-accumulate": "accumulation", "backprop-checkpoint": "checkpointing",
            "backprop-fused_step": "step in backward",
-           "backprop-checkpoint-fused_step": "checkpointing + step in backward", "neuroflux": "NeuroFlux"}
-BACKPROP_METHODS = tuple(m for m in METHODS if m != "neuroflux")
+           "backprop-checkpoint-fused_step": "checkpointing + step in backward", "neuroflux": "NeuroFlux",
+           "auto": "method: auto"}
+BACKPROP_METHODS = tuple(m for m in METHODS if m.startswith("backprop"))
 REFERENCE_BATCH = 32
 EVAL_BATCH = 500   # evaluation is not timed: at the training batch it would take longer than the training
 log = logging.getLogger("bench.budget")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=program_name(), description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--quick", action="store_true", help="CI-sized: vgg11 w0.125, 512 images, one budget, 1 seed")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="directory for budget.{json,md,png}")
+def workload_parser(name: str, doc: str, quick: str) -> argparse.ArgumentParser:
+    """The flags of a benchmark on the default workload (this one's and bench.accumulate's): its results' ``name``,
+    its module ``doc`` and what its --quick runs."""
+    p = argparse.ArgumentParser(prog=program_name(), description=doc, formatter_class=HelpFormatter)
+    p.add_argument("--quick", action="store_true", help=f"CI-sized: {quick}")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR, help=f"directory for {name}.{{json,md,png}}")
     p.add_argument("--models", nargs="+", default=["vgg16", "resnet18", "mobilenet_v2"], help="zoo models")
     p.add_argument("--width", type=float, default=0.25, help="width multiplier of every model")
-    p.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.25, 0.125],
-                   help="budgets as fractions of plain backprop's measured batch-32 peak")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds (weights, heads, data order)")
-    p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS), help="methods to run")
     p.add_argument("--train-samples", type=int, default=8000, help="Fashion-MNIST training images (target split)")
     p.add_argument("--val-samples", type=int, default=500, help="validation images (no choice here reads them)")
     p.add_argument("--test-samples", type=int, default=None, help="test images (default: the whole test split)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (none: torch's choice)")
+    p.add_argument("--combine", type=Path, nargs="+", default=None, metavar="JSON",
+                   help=f"instead of running: merge {name}.json files of runs over different --models (or seeds) "
+                        "into --out")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = workload_parser(NAME, __doc__, "vgg11 w0.125, 512 images, one budget, 1 seed")
+    p.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.25, 0.125],
+                   help="budgets as fractions of plain backprop's measured batch-32 peak")
+    p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS), help="methods to run")
     p.add_argument("--target-acc", type=float, default=0.80, help="target test accuracy")
     p.add_argument("--epochs", type=int, default=4, help="at most this many epochs of backprop and its tricks")
     p.add_argument("--nf-epochs", type=int, default=2, help="NeuroFlux epochs per block")
     p.add_argument("--time-limit", type=float, default=180.0, help="seconds of training after which a run stops")
     p.add_argument("--max-batch", type=int, default=256, help="batch size limit of every method")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (none: torch's choice)")
-    p.add_argument("--combine", type=Path, nargs="+", default=None, metavar="JSON",
-                   help="instead of running: merge budget.json files of runs over different --models into --out")
     args = p.parse_args(argv)
     if args.quick:
         args.models, args.width, args.fractions, args.seeds = ["vgg11"], 0.125, [0.5], [0]
         args.train_samples, args.val_samples, args.epochs, args.nf_epochs = 512, 128, 1, 1
         args.target_acc, args.time_limit, args.test_samples = 0.5, 30.0, 1000
     return args
+
+
+def default_splits(args) -> dict:
+    """The default workload's data: Fashion-MNIST at 32 px, args.train_samples / val_samples / test_samples
+    (None: the whole split) of the target splits."""
+    data = prepare(load_raw("fashion-mnist"), image_size=32, val_fraction=0.1, seed=0, split_by="data")
+    return {"train": tensors(data, "target_train", limit=args.train_samples),
+            "val": tensors(data, "target_val", limit=args.val_samples),
+            "test": tensors(data, "target_test", limit=args.test_samples)}
 
 
 def time_to(history: list[dict], target: float, offset: float) -> tuple[float, float] | None:
@@ -102,23 +123,42 @@ def bp_options(method: str, spec: dict, budget: int | None, seed: int, args) -> 
     return backprop_options(method, opts)
 
 
-def run_backprop(method: str, spec: dict, splits: dict, budget: int, seed: int, args) -> dict:
-    """One seed of backprop (with the method's tricks) to the target or the time limit."""
+def run_backprop(method: str, spec: dict, splits: dict, budget: int, seed: int, args,
+                 hint: int | None = None, offset: float = 0.0) -> dict:
+    """One seed of backprop (with the method's tricks) to the target or the time limit. hint: a batch already
+    measured to fit (method: auto's plan); offset: seconds spent before (the plan), counted in the time to target."""
     opts = bp_options(method, spec, budget, seed, args)
 
     def until(row: dict) -> bool:
         return row["test_acc"] >= args.target_acc or row["time_s"] >= args.time_limit
     run = TrainRun("cpu", desc=f"{METHODS[method]} seed {seed}", track_test=True, tricks=opts.tricks, until=until,
-                   eval_batch=EVAL_BATCH)
+                   eval_batch=EVAL_BATCH, batch_hint=hint)
     try:
         out = train_under_budget(build_model(**spec, seed=seed), splits["train"], splits["val"], splits["test"],
                                  opts, run, opts)
     except BudgetTooSmallError as exc:
         return {"feasible": False, "min_feasible_bytes": exc.min_feasible_bytes}
+    setup = offset + out.measure_s
     return {"feasible": True, "peak_bytes": out.step_memory.peak_bytes, "batch": out.batch_size,
-            "to_target": time_to(out.train.history, args.target_acc, out.measure_s), "setup_s": out.measure_s,
-            "test_acc": out.test_acc, "curve": [[out.measure_s + r["time_s"], r["test_acc"]] for r in out.train.history],
+            "to_target": time_to(out.train.history, args.target_acc, setup), "setup_s": setup,
+            "test_acc": out.test_acc, "curve": [[setup + r["time_s"], r["test_acc"]] for r in out.train.history],
             "samples_per_s": out.train.steps * out.batch_size / max(out.train.train_time_s, 1e-9)}
+
+
+def run_auto(spec: dict, splits: dict, budget: int, seed: int, args) -> dict:
+    """One seed of method: auto as train_bp runs it: the plan over every backprop method (edgeflux.plan), then
+    the fastest from the batch the plan measured; the plan's seconds count in its time to target."""
+    started = time.perf_counter()
+    opts = bp_options("backprop", spec, budget, seed, args)
+    plan = plan_training(build_model(**spec, seed=seed), splits["train"], opts, candidates=BACKPROP_METHODS)
+    try:
+        chosen = fastest(plan)
+    except NoFeasibleMethodError:
+        return {"feasible": False, "min_feasible_bytes": min(r.min_budget_bytes for r in plan if r.min_budget_bytes)}
+    plan_s = time.perf_counter() - started
+    r = run_backprop(chosen.method, spec, splits, budget, seed, args, hint=chosen.batch, offset=plan_s)
+    return {**r, "chose": chosen.method, "plan_s": plan_s,
+            "plan": [{"method": p.method, "batch": p.batch, "samples_per_s": p.samples_per_s} for p in plan]}
 
 
 def run_neuroflux(spec: dict, splits: dict, budget: int, seed: int, args) -> dict:
@@ -137,27 +177,14 @@ def run_neuroflux(spec: dict, splits: dict, budget: int, seed: int, args) -> dic
             "samples_per_s": r["samples_per_s"]}
 
 
-def auto_choice(spec: dict, splits: dict, budget: int, args) -> dict:
-    """What method: auto trains with at this budget (seed 0's plan over the backprop methods) and the plan's
-    seconds; None when no backprop method fits."""
-    started = time.perf_counter()
-    opts = bp_options("backprop", spec, budget, args.seeds[0], args)
-    rows = plan_training(build_model(**spec, seed=args.seeds[0]), splits["train"], opts,
-                         candidates=[m for m in BACKPROP_METHODS if m in args.methods])
-    try:
-        chosen = fastest(rows).method
-    except RuntimeError:
-        chosen = None
-    return {"method": chosen, "plan_s": time.perf_counter() - started,
-            "plan": [{"method": r.method, "feasible": r.feasible, "batch": r.batch,
-                      "samples_per_s": r.samples_per_s} for r in rows]}
-
-
-def summary(model: str, method: str, budget: int, frac: float, runs: list[dict], auto: dict, args) -> dict:
-    """One row of the results contract: the method at one budget over its seeds."""
+def summary(model: str, method: str, budget: int, frac: float, runs: list[dict]) -> dict:
+    """One row of the results contract: the method at one budget over its seeds (``auto``: set by mark_auto)."""
     row = {"workload": WORKLOAD, "model": model, "budget_bytes": budget, "budget_frac": frac, "method": method,
-           "label": METHODS[method], "n_seeds": len(runs), "feasible": runs[0]["feasible"],
-           "auto": auto["method"] == method}
+           "label": METHODS[method], "n_seeds": len(runs), "seeds": [r["seed"] for r in runs],
+           "feasible": runs[0]["feasible"], "auto": False}
+    if method == "auto" and row["feasible"]:
+        row.update(chose=[r["chose"] for r in runs], plan_s=mean_ci([r["plan_s"] for r in runs])["mean"],
+                   plans=[r["plan"] for r in runs])
     if not row["feasible"]:
         return {**row, "min_feasible_bytes": runs[0]["min_feasible_bytes"], "peak_bytes": None,
                 "time_to_target_s": None, "ci95_s": None, "test_acc": None}
@@ -175,30 +202,47 @@ def summary(model: str, method: str, budget: int, frac: float, runs: list[dict],
             "within_budget": all(r["peak_bytes"] <= budget for r in runs), "curves": [r["curve"] for r in runs]}
 
 
-def budget_rows(name: str, splits: dict, args) -> list[dict]:
+def budget_rows(name: str, splits: dict, args) -> Iterator[list[dict]]:
+    """Each budget's rows of one model, one budget at a time."""
     spec = dict(name=name, num_classes=10, in_channels=1, width=args.width, image_size=32, batch_norm=True)
     model = f"{name}-w{args.width:g}"
     reference = measure_training_peak(build_model(**spec, seed=0), optimizer_factory(bp_options(
         "backprop", spec, None, 0, args)), (1, 32, 32), 10, REFERENCE_BATCH, data=splits["train"],
         process_stats=False).peak_bytes
-    rows = []
     for frac in args.fractions:
         budget = int(frac * reference)
         print(f"{model}: budget {format_bytes(budget)} ({frac:g} x backprop's batch-{REFERENCE_BATCH} peak "
               f"{format_bytes(reference)})", flush=True)
-        auto = auto_choice(spec, splits, budget, args)
+        run, rows = {"neuroflux": run_neuroflux, "auto": run_auto}, []
         for method in args.methods:
             runs = []
             for seed in args.seeds:
-                r = run_neuroflux(spec, splits, budget, seed, args) if method == "neuroflux" else \
+                r = run[method](spec, splits, budget, seed, args) if method in run else \
                     run_backprop(method, spec, splits, budget, seed, args)
-                runs.append(r)
+                runs.append({**r, "seed": seed})
                 if not r["feasible"]:
                     break   # the budget, not the seed, decides
-            rows.append(summary(model, method, budget, frac, runs, auto, args))
-            rows[-1].update(reference_bytes=reference, auto_plan_s=auto["plan_s"], auto_plan=auto["plan"])
+            rows.append(summary(model, method, budget, frac, runs))
+            rows[-1].update(reference_bytes=reference)
             print(f"  {METHODS[method]}: {_cell(rows[-1])}", flush=True)
+        yield mark_auto(rows)
+
+
+def mark_auto(rows: list[dict]) -> list[dict]:
+    """``auto`` true on the row of the method method: auto chose at its model and budget (the seeds' most common
+    choice), false elsewhere where auto ran (elsewhere the flags stay as written); rows merged from several runs
+    keep one row per method (the later run's)."""
+    rows = list({(r["workload"], r["model"], r["budget_bytes"], r["method"]): r for r in rows}.values())
+    for r in rows:
+        auto = next((a for a in rows if a["method"] == "auto" and
+                     (a["model"], a["budget_bytes"]) == (r["model"], r["budget_bytes"])), None)
+        if auto is not None:
+            r["auto"] = auto["feasible"] and r["method"] == _majority(auto["chose"])
     return rows
+
+
+def _majority(choices: list[str]) -> str:
+    return max(choices, key=choices.count)
 
 
 def _interval(ci: list | None) -> str:
@@ -212,26 +256,39 @@ def _cell(row: dict) -> str:
 
 
 def verdicts(rows: list[dict]) -> list[dict]:
-    """Per model and budget: the fastest method to the target, NeuroFlux's time, auto's choice and its time as a
-    ratio (paired by seed: the choice's time plus the plan's, over the other's) of the fastest method's and of the
-    fastest among those auto chooses from (the backprop methods), and whether the ratio's 95% interval lies
-    within 10%."""
+    """Per model and budget: the fastest method to the target, NeuroFlux's time, what method: auto chose and its
+    time to target (its plan included) as a ratio, paired by seed, of the fastest method's and of the fastest
+    among those auto chooses from (the backprop methods), and whether the ratio's 95% interval lies within 10%."""
     out = []
     for key in dict.fromkeys((r["model"], r["budget_bytes"]) for r in rows):
         group = [r for r in rows if (r["model"], r["budget_bytes"]) == key]
-        best, best_full = _fastest(group), _fastest([r for r in group if r["method"] != "neuroflux"])
+        best = _fastest([r for r in group if r["method"] != "auto"])
+        best_full = _fastest([r for r in group if r["method"] in BACKPROP_METHODS])
         nf = next((r for r in group if r["method"] == "neuroflux"), None)
+        ran = next((r for r in group if r["method"] == "auto"), None)
+        auto = ran if ran and ran["feasible"] else None
         chosen = next((r for r in group if r["auto"]), None)
         entry = {"model": key[0], "budget_bytes": key[1], "budget_frac": group[0]["budget_frac"],
                  "fastest": best["label"] if best else None, "fastest_s": best["time_to_target_s"] if best else None,
                  "neuroflux_s": nf.get("time_to_target_s") if nf else None,
                  "fastest_backprop": best_full["label"] if best_full else None,
-                 "auto": chosen["label"] if chosen else "no backprop method fits",
+                 "auto": _choice(ran), "auto_s": auto.get("time_to_target_s") if auto else None,
+                 "plan_s": auto.get("plan_s") if auto else None,
                  "auto_is_fastest_backprop": (chosen is best_full) if chosen and best_full else None}
         for suffix, other in (("", best), ("_backprop", best_full)):
-            entry.update(_auto_ratio(chosen, other, suffix))
+            entry.update(_auto_ratio(auto, other, suffix))
         out.append(entry)
     return out
+
+
+def _choice(auto: dict | None) -> str:
+    if auto is None:
+        return "auto not run"
+    if not auto["feasible"]:
+        return "no backprop method fits"
+    top = _majority(auto["chose"])
+    n = auto["chose"].count(top)
+    return METHODS[top] + (f" ({n} of {len(auto['chose'])} seeds)" if n < len(auto["chose"]) else "")
 
 
 def _fastest(group: list[dict]) -> dict | None:
@@ -239,16 +296,22 @@ def _fastest(group: list[dict]) -> dict | None:
                default=None)
 
 
-def _auto_ratio(chosen: dict | None, other: dict | None, suffix: str) -> dict:
-    """auto's time to target over ``other``'s, paired by seed, with its 95% interval and the 10% verdict."""
+def _auto_ratio(auto: dict | None, other: dict | None, suffix: str) -> dict:
+    """method: auto's time to target over ``other``'s, paired by seed, with its 95% interval and the 10% verdict."""
     keys = [f"auto_ratio{suffix}", f"auto_ratio{suffix}_ci", f"auto_within_10pct{suffix}"]
-    if not (chosen and other):
+    if not (auto and other):
         return dict.fromkeys(keys)
-    if chosen.get("time_to_target_s") is None:   # auto's choice did not reach the target in every seed
+    if auto.get("time_to_target_s") is None:   # not every seed of auto reached the target
         return dict(zip(keys, (None, None, False)))
-    ci = mean_ci([(a + chosen["auto_plan_s"]) / b for a, b in zip(chosen["times"], other["times"])])
+    mine, theirs = _by_seed(auto), _by_seed(other)
+    ci = mean_ci([mine[s] / theirs[s] for s in mine if s in theirs])
     return dict(zip(keys, (ci["mean"], [ci["lo"], ci["hi"]],
                            (ci["hi"] if ci["hi"] is not None else ci["mean"]) <= 1.10)))
+
+
+def _by_seed(row: dict) -> dict:
+    """A row's times to target by seed (rows written without their seeds ran seeds 0, 1, 2, ...)."""
+    return dict(zip(row.get("seeds", range(len(row["times"]))), row["times"]))
 
 
 def plot(rows: list[dict], path: Path, target: float) -> None:
@@ -257,7 +320,7 @@ def plot(rows: list[dict], path: Path, target: float) -> None:
     plt = _pyplot()
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = plt.subplots(1, len(models), figsize=(max(9, 6 * len(models)), 5.5), squeeze=False)
-    methods = list(dict.fromkeys(r["method"] for r in rows))
+    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
     for ax, model in zip(axes[0], models):
         fracs = sorted({r["budget_frac"] for r in rows if r["model"] == model}, reverse=True)
         width = 0.8 / len(methods)
@@ -296,7 +359,8 @@ def write(rows: list[dict], args, notes: str, measured_by: dict | None = None) -
         {**v, "auto_ratio_ci": _interval(v["auto_ratio_ci"]), "auto_ratio_backprop_ci": _interval(
             v["auto_ratio_backprop_ci"])} for v in judged],
         {"model": "model", "budget_frac": "budget (x batch-32 peak)", "fastest": "fastest", "fastest_s": "its s",
-         "neuroflux_s": "NeuroFlux s", "auto": "auto chose", "auto_ratio": "auto / fastest", "auto_ratio_ci": "95% CI",
+         "neuroflux_s": "NeuroFlux s", "auto": "auto chose", "auto_s": "auto s", "plan_s": "its plan s",
+         "auto_ratio": "auto / fastest", "auto_ratio_ci": "95% CI",
          "auto_within_10pct": "within 10%", "fastest_backprop": "fastest backprop method",
          "auto_is_fastest_backprop": "auto chose it",
          "auto_ratio_backprop": "auto / it", "auto_ratio_backprop_ci": "95% CI ",
@@ -318,24 +382,25 @@ def write(rows: list[dict], args, notes: str, measured_by: dict | None = None) -
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.combine:
-        parts = [json.loads(Path(p).read_text()) for p in args.combine]
+        parts, rows, measured_by = read_parts(args.combine)
         args.target_acc = parts[0]["settings"]["target_acc"]
         notes = " | ".join(f"`{part['command']}`: {part['notes']}" for part in parts)
-        return write([r for part in parts for r in part["rows"]], args, notes,
-                     measured_by={"machine": parts[0]["machine"], "command": " && ".join(p["command"] for p in parts)})
+        return write(mark_auto(rows), args, notes, measured_by=measured_by)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    data = prepare(load_raw("fashion-mnist"), image_size=32, val_fraction=0.1, seed=0, split_by="data")
-    splits = {"train": tensors(data, "target_train", limit=args.train_samples),
-              "val": tensors(data, "target_val", limit=args.val_samples), "test": tensors(data, "target_test", limit=args.test_samples)}
-    started = time.perf_counter()
-    rows = [r for name in args.models for r in budget_rows(name, splits, args)]
-    write(rows, args, f"Workload {WORKLOAD}: Fashion-MNIST at 32 px, {args.train_samples} training images (target "
-          f"split), the whole test split ({len(splits['test'][1])} images); seeds {args.seeds}; at most "
-          f"{args.epochs} epochs (NeuroFlux: {args.nf_epochs} per block) or {args.time_limit:g} s of training; "
-          f"SGD momentum 0.9, lr 0.05 at batch {REFERENCE_BATCH} (sqrt-scaled); torch threads "
-          f"{torch.get_num_threads()}; bench time {time.perf_counter() - started:.0f} s.")
+    splits = default_splits(args)
+    started, rows, total = time.perf_counter(), [], len(args.models) * len(args.fractions)
+    for name in args.models:
+        for budget in budget_rows(name, splits, args):   # written after every budget: a stopped run keeps them
+            rows += budget
+            done = len({(r["model"], r["budget_bytes"]) for r in rows})
+            write(rows, args, f"Workload {WORKLOAD}: Fashion-MNIST at 32 px, {args.train_samples} training images "
+                  f"(target split), the whole test split ({len(splits['test'][1])} images); seeds {args.seeds}; at "
+                  f"most {args.epochs} epochs (NeuroFlux: {args.nf_epochs} per block) or {args.time_limit:g} s of "
+                  f"training; SGD momentum 0.9, lr 0.05 at batch {REFERENCE_BATCH} (sqrt-scaled); torch threads "
+                  f"{torch.get_num_threads()}; bench time {time.perf_counter() - started:.0f} s; "
+                  f"{done} of {total} model budgets done.")
 
 
 if __name__ == "__main__":

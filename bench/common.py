@@ -176,6 +176,14 @@ class BenchResult:
         return json_path, md_path
 
 
+def read_parts(paths: Sequence[str | Path]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+    """Results files of runs to merge into one (a benchmark's --combine): the parts, their rows in order, and the
+    measured_by BenchResult.write takes (the first part's machine, every part's command joined by &&)."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    return parts, [r for part in parts for r in part["rows"]], {
+        "machine": parts[0]["machine"], "command": " && ".join(part["command"] for part in parts)}
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """The module docstring as written, and every flag's default after its help."""
 
@@ -221,4 +229,4 @@ def fmt_ci(ci: dict, unit: str = "", digits: int = 3) -> str:
 # one colour per method in every figure (matplotlib's tab10 order)
 METHOD_COLOURS = {"NeuroFlux": "#1f77b4", "backprop": "#ff7f0e", "plain backprop": "#ff7f0e", "classic LL": "#2ca02c",
                   "checkpointing": "#d62728", "step in backward": "#9467bd",
-                  "checkpointing + step in backward": "#8c564b", "accumulation": "#bcbd22"}
+                  "checkpointing + step in backward": "#8c564b", "accumulation": "#bcbd22", "method: auto": "#7f7f7f"}

@@ -24,7 +24,7 @@ from edgeflux.data import load_prepared, tensors
 from edgeflux.finetune import finetune
 from edgeflux.models import build_model
 from edgeflux.neuroflux.plots import _pyplot, _save
-from edgeflux.plan import plan_finetune, plan_training
+from edgeflux.plan import STEPS, plan_finetune, plan_training
 from edgeflux.train import TrainRun
 from edgeflux.tricks.options import backprop_options
 
@@ -95,10 +95,12 @@ def main(argv=None) -> None:
     parser = bench_argparser(__doc__)
     parser.add_argument("--project", action="append", default=[], metavar="NAME=DIR",
                         help="a workload's project directory (repeatable); default: default=. (this repository)")
-    parser.add_argument("--steps", type=int, default=4, help="the plan's timed steps per candidate")
+    parser.add_argument("--steps", type=int, default=None, help="the plan's timed steps per candidate (default: "
+                                                                 "edgeflux.plan.STEPS)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    args.steps = args.steps or STEPS
     projects = [p.split("=", 1) for p in args.project] or [["default", "."]]
     rows, here = [], Path.cwd()
     for workload, root in projects:
@@ -119,7 +121,7 @@ def main(argv=None) -> None:
     result.write(NAME, args.out, title="edgeflux plan: predicted samples/s against the run's",
                  notes=f"{within} of {len(rows)} predictions within 15% of the run. The run: one epoch of the stage's "
                        "training set at the batch its own measurement chose (the plan's, unless noted), timed by the "
-                       "training loop without evaluations; the plan: a few steps after one warm-up.")
+                       "training loop without evaluations; the plan: the median of a few steps after two warm-up ones.")
 
 
 if __name__ == "__main__":

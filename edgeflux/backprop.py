@@ -71,7 +71,7 @@ def fit_model_batch(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor], 
     Steps are measured on real training samples, with the step fit trains with (TrainStep with run's context,
     loss_fn and tricks, on run.device). With run.tricks.accumulate the batch is the micro-batch, at most the
     effective batch, measured where it closes a group (its gradients added to the group's, then the optimizer
-    step).
+    step). run.batch_hint: where the search looks first (max_batch_under_budget's hint).
     """
     run = run or TrainRun()
 
@@ -83,7 +83,8 @@ def fit_model_batch(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor], 
     accumulating = run.tricks is not None and run.tricks.accumulate
     max_batch = min(memory.max_batch, run.tricks.effective_batch) if accumulating else memory.max_batch
     preferred = None if memory.budget is not None else min(opts.batch_size, max_batch)
-    choice = choose_batch(measure, train, budget_bytes=memory.budget, max_batch=max_batch, preferred=preferred)
+    choice = choose_batch(measure, train, budget_bytes=memory.budget, max_batch=max_batch, preferred=preferred,
+                          hint=run.batch_hint)
     return choice.batch_size, choice.fit, choice.memory
 
 

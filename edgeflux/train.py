@@ -154,7 +154,10 @@ class TrainRun:
     (time-to-target curves; never used to choose anything). until(row): training ends after the first
     evaluation whose row makes it true (a benchmark's target accuracy or time limit), mid-epoch or not.
     eval_batch: the evaluations' batch (None: the training batch, whose inference fits the budget; a benchmark
-    that does not time evaluation may evaluate faster at a larger one).
+    that does not time evaluation may evaluate faster at a larger one). batch_hint: the batch another search
+    found under the same budget (the plan's, for method: auto): the batch search confirms it in three measured
+    steps (batch 1, it, and one more) instead of searching again, or searches as usual when it is not the
+    largest that fits.
     """
     device: torch.device | str = "cpu"
     checkpoint: Path | None = None
@@ -171,6 +174,7 @@ class TrainRun:
     until: Callable[[dict], bool] | None = None
     eval_batch: int | None = None
     tricks: TrickOptions | None = None   # memory tricks (edgeflux.tricks) of the step that trains and is measured
+    batch_hint: int | None = None
 
     def step_tricks(self, micro: int, measuring: bool = False) -> Tricks | None:
         """The Tricks a step at this (micro-)batch applies: with accumulation, where its micro-batches fall

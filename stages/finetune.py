@@ -78,9 +78,9 @@ def main(args, params) -> None:
                for kind, ext in (("plots", "csv"), ("memory", "json"), ("models", "pt"))}
     outputs["tensors"] = Path(f"plots/finetune/{method}_tensors.png")
     with stage_run(f"finetune@{method}", {**p.model_dump(), "method": method}) as run:
-        spec = method if method != AUTO else planned(model, train, p, device, run)
+        spec, hint = (method, None) if method != AUTO else planned(model, train, p, device, run)
         result = finetune(model, spec, p, train, tensors(data, "target_val"), tensors(data, "target_test"), device,
-                          checkpoint=CHECKPOINTS / f"{method}.pt", start=file_digest(source))
+                          checkpoint=CHECKPOINTS / f"{method}.pt", start=file_digest(source), batch_hint=hint)
         metrics = {"model": p.model, "device": str(device), **result.metrics(), "n_incoming": len(incoming),
                    "auto": method == AUTO, "peak_rss_bytes": peak_rss_bytes()}
         written = write_metrics(f"finetune/{method}", metrics, run)
@@ -95,11 +95,13 @@ def main(args, params) -> None:
             run.log_artifact(path)
 
 
-def planned(model, train, p, device, run) -> str:
-    """The plan's fastest feasible way to train every parameter (edgeflux.plan), its table logged."""
+def planned(model, train, p, device, run) -> tuple[str, int]:
+    """The plan's fastest feasible way to train every parameter (edgeflux.plan), its table logged, and the batch
+    the plan measured for it."""
     from edgeflux.plan import FINETUNE_FULL, auto_method, plan_finetune   # (its imports: only when planning)
 
-    return auto_method(plan_finetune(model, train, p, candidates=FINETUNE_FULL, device=device), p.budget, run)
+    chosen = auto_method(plan_finetune(model, train, p, candidates=FINETUNE_FULL, device=device), p.budget, run)
+    return chosen.method, chosen.batch
 
 
 def summary_rows(inputs: RowInputs) -> list[MethodRow]:

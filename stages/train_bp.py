@@ -38,10 +38,10 @@ def main(args, params) -> None:
     build_args = p.model.build_args(len(data.classes), train[0].shape[1], train[0].shape[-1], p.seed)
     with stage_run("train_bp", p.model_dump()) as run:
         model = build_model(**build_args, pretrained_path=p.model.weights_path())
-        method = choose_method(model, train, p, device, run)
+        method, batch_hint = choose_method(model, train, p, device, run)
         p = backprop_options(method, p)
         run_settings = TrainRun(device, checkpoint=CHECKPOINT, desc="train_bp", context=p.bittrain.context,
-                                tricks=p.tricks)
+                                tricks=p.tricks, batch_hint=batch_hint)
         result = train_under_budget(model, train, tensors(data, "target_val"), tensors(data, "target_test"), p,
                                     run_settings, memory=p)
         metrics = {"model": p.model.key, "device": str(device), **result.metrics(), "method": method,
@@ -57,13 +57,15 @@ def main(args, params) -> None:
             run.log_artifact(path)
 
 
-def choose_method(model, train, p, device, run) -> str:
-    """train_bp.method, or with auto the plan's fastest feasible backprop (edgeflux.plan), its table logged."""
+def choose_method(model, train, p, device, run) -> tuple[str, int | None]:
+    """train_bp.method, or with auto the plan's fastest feasible backprop (edgeflux.plan), its table logged; and
+    the batch the plan measured for it (None without a plan)."""
     if p.method != AUTO:
-        return p.method
+        return p.method, None
     from edgeflux.plan import auto_method, plan_training   # (its imports: only when planning)
 
-    return auto_method(plan_training(model, train, p, device=device), p.budget, run)
+    chosen = auto_method(plan_training(model, train, p, device=device), p.budget, run)
+    return chosen.method, chosen.batch
 
 
 def summary_rows(inputs: RowInputs) -> list[MethodRow]:

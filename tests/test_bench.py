@@ -397,8 +397,10 @@ def test_budget_quick_keeps_the_results_contract_and_combines(tmp_path):
             assert r["peak_bytes"] <= r["budget_bytes"] and r["within_budget"] and 0 < r["test_acc"] <= 1
         else:
             assert r["min_feasible_bytes"] > r["budget_bytes"]
-    assert sum(r["auto"] for r in rows) == 1
-    assert next(r for r in rows if r["auto"])["method"] in {p["method"] for p in rows[0]["auto_plan"]}
+    auto = next(r for r in rows if r["method"] == "auto")
+    assert auto["feasible"] and sum(r["auto"] for r in rows) == 1
+    chosen = next(r for r in rows if r["auto"])["method"]
+    assert chosen == max(auto["chose"], key=auto["chose"].count) and chosen in {p["method"] for p in auto["plans"][0]}
     assert (tmp_path / "budget.png").stat().st_size > 10_000 and "| vgg11-w0.125 |" in (tmp_path / "budget.md").read_text()
     again = tmp_path / "again"
     subprocess.run([sys.executable, "-m", "bench.budget", "--combine", str(tmp_path / "budget.json"), "--out",
@@ -407,25 +409,59 @@ def test_budget_quick_keeps_the_results_contract_and_combines(tmp_path):
 
 
 def test_budget_verdicts_pair_auto_with_the_fastest_by_seed():
-    """auto's time is its choice's plus the plan's, over the fastest's, seed by seed; within 10% only when the
-    whole 95% interval is."""
-    from bench.budget import verdicts
+    """method: auto's measured time (its plan included) over the fastest method's, seed by seed; within 10% only
+    when the whole 95% interval is; the row auto chose is the seeds' most common choice, in merged runs too."""
+    from bench.budget import mark_auto, verdicts
+    a, b = "backprop", "backprop-checkpoint"
 
-    def row(method, times, auto=False, plan_s=1.0):
+    def row(method, times, auto=False, chose=None):
         done = all(t is not None for t in times)
-        return {"model": "m", "budget_bytes": 100, "budget_frac": 0.5, "method": method, "label": method,
-                "auto": auto, "auto_plan_s": plan_s, "times": times,
-                "time_to_target_s": sum(times) / len(times) if done else None}
-    [v] = verdicts([row("a", [10.0, 11.0, 12.0]), row("b", [20.0, 22.0, 24.0], auto=True),
-                    row("neuroflux", [30.0, None, 30.0])])
-    assert v["fastest"] == "a" and v["auto"] == "b" and v["neuroflux_s"] is None
+        return {"workload": "default", "model": "m", "budget_bytes": 100, "budget_frac": 0.5, "method": method,
+                "label": method, "feasible": True, "auto": auto, "times": times, "seeds": list(range(len(times))),
+                "chose": chose, "plan_s": 0.1, "time_to_target_s": sum(times) / len(times) if done else None}
+    [v] = verdicts([row(a, [10.0, 11.0, 12.0]), row(b, [20.0, 22.0, 24.0], auto=True),
+                    row("auto", [21.0, 23.0, 25.0], chose=[b] * 3), row("neuroflux", [30.0, None, 30.0])])
+    assert v["fastest"] == a and v["auto"] == "checkpointing" and v["neuroflux_s"] is None
     assert v["auto_ratio"] == pytest.approx((21 / 10 + 23 / 11 + 25 / 12) / 3) and v["auto_within_10pct"] is False
-    [v] = verdicts([row("a", [10.0, 11.0, 12.0], auto=True, plan_s=0.1), row("b", [20.0, 22.0, 24.0])])
-    assert v["fastest"] == v["auto"] == "a" and v["auto_ratio"] == pytest.approx(1.0 + 0.1 * (1 / 10 + 1 / 11 + 1 / 12) / 3)
-    assert v["auto_within_10pct"] is True
-    [v] = verdicts([row("a", [10.0, 11.0, 12.0]), row("b", [20.0, None, 24.0], auto=True)])
+    [v] = verdicts([row(a, [10.0, 11.0, 12.0], auto=True), row(b, [20.0, 22.0, 24.0]),
+                    row("auto", [10.1, 11.1, 12.1], chose=[a, a, b])])
+    assert v["fastest"] == a and v["auto"] == "backprop (2 of 3 seeds)" and v["auto_within_10pct"] is True
+    assert v["auto_ratio"] == pytest.approx(1.0 + 0.1 * (1 / 10 + 1 / 11 + 1 / 12) / 3)
+    [v] = verdicts([row(a, [10.0, 11.0, 12.0]), row(b, [20.0, 22.0, 24.0], auto=True),
+                    row("auto", [20.0, None, 24.0], chose=[b] * 3)])
     assert v["auto_within_10pct"] is False and v["auto_ratio"] is None
     # NeuroFlux fastest: auto (which chooses among the backprop methods) is judged against both
-    [v] = verdicts([row("a", [10.0, 11.0, 12.0], auto=True, plan_s=0.1), row("neuroflux", [5.0, 6.0, 5.0])])
-    assert v["fastest"] == "neuroflux" and v["fastest_backprop"] == "a" and v["neuroflux_s"] == pytest.approx(16 / 3)
+    [v] = verdicts([row(a, [10.0, 11.0, 12.0], auto=True), row("auto", [10.1, 11.1, 12.1], chose=[a] * 3),
+                    row("neuroflux", [5.0, 6.0, 5.0])])
+    assert v["fastest"] == "neuroflux" and v["fastest_backprop"] == a and v["neuroflux_s"] == pytest.approx(16 / 3)
     assert v["auto_within_10pct"] is False and v["auto_within_10pct_backprop"] is True and v["auto_is_fastest_backprop"]
+    # pairs by seed, not by position: auto's seeds listed in another order, one seed fewer
+    [v] = verdicts([row(a, [10.0, 11.0, 12.0], auto=True),
+                    {**row("auto", [12.0, 10.0], chose=[a] * 2), "seeds": [2, 0]}])
+    assert v["auto_ratio"] == pytest.approx(1.0)
+    # merged runs: a later run's row replaces an earlier one's, and an earlier run's auto flag is re-derived
+    merged = mark_auto([row(a, [1.0], auto=True), row(b, [2.0]), {**row(b, [3.0]), "new": True},
+                        row("auto", [2.0], chose=[b, b, a])])
+    assert [(r["method"], r["auto"]) for r in merged] == [(a, False), (b, True), ("auto", False)]
+    assert merged[1].get("new") is True
+    # where auto did not run, the flags stay as written, and the verdict says auto did not run
+    kept = mark_auto([row(a, [1.0], auto=True), row(b, [2.0])])
+    assert [r["auto"] for r in kept] == [True, False] and verdicts(kept)[0]["auto"] == "auto not run"
+
+
+def test_accumulate_pairs_each_micro_batch_with_plain_backprop_by_seed(tmp_path):
+    """bench.accumulate: the difference from plain backprop is taken seed by seed, runs over different seeds merge
+    into one row per (model, micro-batch), and the quick run writes the results contract."""
+    from bench.accumulate import merged
+
+    def part(seeds, plain, micro4):
+        return [{"model": "m", "micro_batch": 32, "updates_of": 32, "seeds": seeds, "test_accs": plain},
+                {"model": "m", "micro_batch": 4, "updates_of": 32, "seeds": seeds, "test_accs": micro4}]
+    rows = merged(part([1, 0], [0.90, 0.80], [0.90, 0.81]) + part([2], [0.70], [0.69]))
+    plain, micro = rows
+    assert (plain["method"], plain["n_seeds"], plain["diff"]) == ("backprop", 3, None)
+    assert micro["test_accs"] == [0.81, 0.90, 0.69] and micro["diff"] == pytest.approx(0.0)
+    assert micro["test_acc"] == pytest.approx(0.80) and not micro["changes_accuracy"]
+    result = run_bench("accumulate", tmp_path, "--quick", "--threads", "1", timeout=300)
+    assert result["n_seeds"] == 2 and {r["method"] for r in result["rows"]} == {"backprop", "accumulation"}
+    assert all("test_acc_ci95" in r for r in result["rows"]) and (tmp_path / "accumulate.png").stat().st_size > 10_000

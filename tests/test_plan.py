@@ -58,6 +58,23 @@ def test_each_row_is_the_batch_its_run_trains_at(mnist_subset):
     assert accumulate.samples_per_update == accumulate.batch * (64 // accumulate.batch)
 
 
+def test_a_batch_hint_is_confirmed_in_three_measurements_or_searched_as_without_it(mnist_subset):
+    """method: auto hands the run the plan's batch (TrainRun.batch_hint): when it is the largest that fits (it
+    fits, one more does not), batch 1, it and one more are all the search measures; any other hint (smaller,
+    over the budget, over max_batch) ends where the search without it ends, the budget's record intact."""
+    train = tensors(mnist_subset, "target_train", limit=256)
+    model = build_model(**MODEL, seed=0)
+    p = section("12MB")
+    largest, searched, _ = fit_model_batch(model, train, p, p, TrainRun())
+    assert 2 < largest < p.max_batch
+    for hint in (largest // 2, p.max_batch, 10 * p.max_batch):   # not the largest, or over the budget
+        batch, fit, memory = fit_model_batch(model, train, p, p, TrainRun(batch_hint=hint))
+        assert batch == largest and memory.peak_bytes <= 12_000_000 and fit.budget_bytes == 12_000_000
+    batch, fit, memory = fit_model_batch(model, train, p, p, TrainRun(batch_hint=largest))
+    assert batch == largest and [b for b, _ in fit.measurements] == [1, largest, largest + 1]
+    assert fit.min_feasible_bytes == searched.min_feasible_bytes and memory.peak_bytes <= 12_000_000
+
+
 def _row(method: str, per_s: float | None, feasible: bool = True, full: bool = True, need: int | None = None):
     return PlanRow(method, method, feasible, 8 if feasible else None, 8, 1 if feasible else None, need, per_s,
                    1.0, 10, "-", full)
@@ -98,15 +115,26 @@ def test_the_plan_command_prints_and_writes_every_stage(mnist_subset, tmp_path, 
     (tmp_path / "params.yaml").write_text((repo / "params.yaml").read_text())
     save_prepared(mnist_subset, tmp_path / "data/prepared")
     monkeypatch.setattr("edgeflux.plan.core.BACKPROP_CANDIDATES", ("backprop", "backprop-fused_step"))
+    # the stage's last run: its curve reached 80% validation accuracy half-way through its first epoch
+    Path("plots").mkdir()
+    Path("plots/train_bp.csv").write_text("step,epoch,time_s,cpu_s,train_loss,val_acc\n"
+                                          "5,0.25,1.0,2.0,1.2,0.70\n10,0.5,2.0,4.0,0.8,0.81\n20,1.0,4.0,8.0,0.5,0.85\n")
     torch.manual_seed(0)
-    assert cli.main(["plan", "--stage", "train_bp", "--budget", "16MB", "--steps", "1", "--json", "plan.json"]) == 0
+    assert cli.main(["plan", "--stage", "train_bp", "--budget", "16MB", "--steps", "1", "--json", "plan.json",
+                     "--target-acc", "0.8"]) == 0
     out = capsys.readouterr().out
-    assert "train_bp under 15.3 MiB" in out and "<- auto" in out and "NeuroFlux" in out
+    assert "train_bp under 15.3 MiB" in out and "<- auto" in out and "NeuroFlux" in out and "(est.)" in out
     plan = json.loads((tmp_path / "plan.json").read_text())["train_bp"]
     assert plan["budget_bytes"] == 16_000_000
     assert [r["method"] for r in plan["rows"]] == ["backprop", "backprop-fused_step", "neuroflux"]
     assert plan["auto"] in ("backprop", "backprop-fused_step")
     assert all(r["peak_bytes"] <= 16_000_000 for r in plan["rows"] if r["feasible"])
+    estimates = plan["target_estimates"]
+    for r in plan["rows"][:2]:
+        assert estimates[r["method"]]["seconds"] == pytest.approx(0.5 * r["epoch_s"])
+    assert estimates["neuroflux"]["seconds"] is None
+    from pipeline.cli.plan import epochs_to
+    assert epochs_to(Path("plots/train_bp.csv"), 0.9) is None and epochs_to(Path("plots/train_bp.csv"), 0.85) == 1.0
 
 
 def test_auto_in_the_stages_trains_with_the_plans_choice_and_logs_the_plan(mnist_subset, tmp_path, monkeypatch):
@@ -136,13 +164,17 @@ def test_auto_in_the_stages_trains_with_the_plans_choice_and_logs_the_plan(mnist
     monkeypatch.setattr("edgeflux.plan.FINETUNE_FULL", ("ft_all", "ft_all-fused_step"), raising=False)
     # the plan's last candidate, which the stage would never pick by itself: it must train what the plan chose
     monkeypatch.setattr("edgeflux.plan.core.fastest", lambda rows: rows[-1])
+    # the runs start their batch search from the plan's batch: every search's hint, in order
+    import edgeflux.backprop
+    hints, choose = [], edgeflux.backprop.choose_batch
+    monkeypatch.setattr("edgeflux.backprop.choose_batch", lambda *a, **k: hints.append(k.get("hint")) or choose(*a, **k))
     train_bp_stage.main(argparse.Namespace(params="params.yaml"), params)
     spec = dict(name="mobilenet_v2", num_classes=10, in_channels=1, width=0.5, image_size=32, seed=0)
     assert params.finetune.model == "mobilenet_v2-w0.5"
     save_model(Path(f"models/pretrained/{params.finetune.model}.pt"), build_model(**spec), spec)
     finetune_stage.main(argparse.Namespace(params="params.yaml", method="auto"), params)
 
-    client = mlflow.MlflowClient()
+    client, planned = mlflow.MlflowClient(), []
     for stage, metrics in (("train_bp", "details/train_bp.json"),
                            ("finetune@auto", "details/finetune/auto.json")):
         detail = json.loads(Path(metrics).read_text())
@@ -151,6 +183,9 @@ def test_auto_in_the_stages_trains_with_the_plans_choice_and_logs_the_plan(mnist
         plan = json.loads(Path(client.download_artifacts(run.info.run_id, "plan.json", str(tmp_path))).read_text())
         assert detail["method"] == plan["auto"] == plan["rows"][-1]["method"] and detail["auto"] is True, stage
         assert detail["method"].endswith("-fused_step"), stage
+        assert detail["batch_size"] == plan["rows"][-1]["batch"], stage
         assert [r["method"] for r in plan["rows"]] in (["backprop", "backprop-fused_step"],
                                                         ["ft_all", "ft_all-fused_step"])
         assert detail["peak_mem_bytes"] <= 12_000_000
+        planned.append(plan["rows"][-1]["batch"])
+    assert [h for h in hints if h is not None] == planned

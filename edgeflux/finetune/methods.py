@@ -200,11 +200,12 @@ def calibration_batches(x: Tensor | Images, n: int, size: int = 32) -> list[Tens
 
 def finetune(model: UnitModel, method: str, opts: FinetuneOptions, train: tuple, val: tuple, test: tuple,
              device: torch.device | str = "cpu", checkpoint: Path | None = None, start: str = "",
-             track_test: bool = False) -> FinetuneRun:
+             track_test: bool = False, batch_hint: int | None = None) -> FinetuneRun:
     """Fine-tune ``model`` (in place: its trainable modules end with the fine-tuned weights) with ``method``
     under ``opts.budget``. start: the identity of the starting weights (e.g. the pretrained file's digest),
     for the checkpoint's signature. track_test: the history records test accuracy at each evaluation
-    (benchmarks' time-to-accuracy; never used to choose anything)."""
+    (benchmarks' time-to-accuracy; never used to choose anything). batch_hint: the batch a plan measured for
+    this method under this budget (TrainRun.batch_hint)."""
     device = torch.device(device)
     spec, (method, opts) = method, method_options(method, opts)
     prepared = prepare(method, model, opts, calibration_batches(train[0], opts.calibration_batches), device)
@@ -213,7 +214,7 @@ def finetune(model: UnitModel, method: str, opts: FinetuneOptions, train: tuple,
     run = train_under_budget(net, train, val, test, opts, TrainRun(
         device, checkpoint=checkpoint, signature=run_signature(method=spec, start=start, info=prepared.info),
         desc=f"finetune {spec}", context=opts.bittrain.context, make_before_step=prepared.make_before_step,
-        track_test=track_test, tricks=opts.tricks), memory=opts)
+        track_test=track_test, tricks=opts.tricks, batch_hint=batch_hint), memory=opts)
     for name, p in net.named_parameters():       # a method that re-selected while training leaves its last set
         p.requires_grad_(name in trainable)
     n = min(FLOPS_BATCH, len(train[1]))

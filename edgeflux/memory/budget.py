@@ -83,8 +83,13 @@ def fit_linear(batches: Sequence[float], values: Sequence[float]) -> tuple[float
     return float(a), float(b), 1.0 if ss_tot == 0 else float(1 - ss_res / ss_tot)
 
 
-def max_batch_under_budget(measure: Callable[[int], int], budget_bytes: int, max_batch: int) -> BatchFit:
+def max_batch_under_budget(measure: Callable[[int], int], budget_bytes: int, max_batch: int,
+                           hint: int | None = None) -> BatchFit:
     """The largest batch <= max_batch whose measured peak, measure(batch), is <= budget_bytes.
+
+    hint: a batch another search found (the plan's, for method: auto): after batch 1, the hint and hint + 1 are
+    measured first and bracket the search; when the hint fits and hint + 1 does not (or the hint is max_batch)
+    that is the answer, in three measurements.
 
     Measures batch 1 (BudgetTooSmallError if it is over budget) and batch 8, extrapolates the
     line through the two largest measurements to the budget until a measurement lands over
@@ -108,11 +113,18 @@ def max_batch_under_budget(measure: Callable[[int], int], budget_bytes: int, max
     if m(1) > budget_bytes:
         raise BudgetTooSmallError(budget_bytes, measured[1])
     lo, hi = 1, max_batch + 1   # lo: largest batch measured under budget; hi: smallest over (max_batch+1: none)
-    if max_batch > 1:
-        if m(min(max_batch, 8)) <= budget_bytes:
-            lo = min(max_batch, 8)
+    for batch in (hint, hint + 1) if hint is not None else ():   # the bracket around a batch found before
+        if lo < batch < hi:
+            if m(batch) > budget_bytes:
+                hi = batch
+                break
+            lo = batch
+    probe = min(max_batch, 8)
+    if lo < probe < hi:
+        if m(probe) <= budget_bytes:
+            lo = probe
         else:
-            hi = 8
+            hi = probe
     # Illinois-style regula falsi on the integers: when the same end of the bracket moves twice
     # in a row (the peak is not linear here), the other end's excess over the budget is halved
     # so the next guess lands nearer to it instead of crawling.
@@ -155,7 +167,7 @@ class BatchChoice:
 
 def choose_batch(measure: Callable[[Tensor, Tensor], StepMemory], data: tuple[Tensor, Tensor], *,
                  budget_bytes: int | None, max_batch: int, preferred: int | None = None,
-                 samples: int = CONTENT_SAMPLES) -> BatchChoice:
+                 samples: int = CONTENT_SAMPLES, hint: int | None = None) -> BatchChoice:
     """The batch size every trainer trains with: measured, never guessed.
 
     measure(x, y): the measured training step on that batch (the step the trainer runs: see
@@ -164,8 +176,9 @@ def choose_batch(measure: Callable[[Tensor, Tensor], StepMemory], data: tuple[Te
     No budget: ``preferred``, measured for the record. A budget: ``preferred`` when its measured peak fits
     (NeuroFlux's planned block batch), else the largest batch <= max_batch (and <= preferred) whose measured
     peak fits (max_batch_under_budget: BudgetTooSmallError, naming the smallest feasible budget, when batch 1
-    does not). Where the step stores activations by their content (BitTrain), a batch size's peak is the
-    largest over the first `samples` disjoint batches (largest_over_batches).
+    does not; ``hint``: where that search looks first). Where the step stores activations by their content
+    (BitTrain), a batch size's peak is the largest over the first `samples` disjoint batches
+    (largest_over_batches).
     """
     n = len(data[1])
     max_batch = min(max_batch, n)
@@ -184,7 +197,7 @@ def choose_batch(measure: Callable[[Tensor, Tensor], StepMemory], data: tuple[Te
         batch = preferred if preferred is not None else max_batch
         peak(batch)
         return BatchChoice(batch, None, measured[batch])
-    fitted = max_batch_under_budget(peak, budget_bytes, preferred or max_batch)
+    fitted = max_batch_under_budget(peak, budget_bytes, preferred or max_batch, hint)
     log.info("budget %s: batch %d fits (measured peak %s; batch 1 needs %s)", format_bytes(budget_bytes),
              fitted.batch_size, format_bytes(fitted.peak_bytes), format_bytes(fitted.min_feasible_bytes))
     return BatchChoice(fitted.batch_size, fitted, measured[fitted.batch_size])

@@ -10,13 +10,14 @@ stage imports only the part it runs).
 
 For each candidate the batch is chosen as its run chooses it (``edgeflux.backprop.fit_model_batch``: the largest
 whose measured step fits, or BudgetTooSmallError with the smallest feasible budget), then the step its run
-trains with (``edgeflux.train.fit_step``, on a copy) is timed over a few batches of the training data after one
-warm-up: samples per second, and from it the seconds an epoch of the training set takes (training only). What a
-candidate trades away is said beside it: recomputation, BatchNorm on micro-batches, the parameters it leaves
-frozen (an accuracy risk no few-step plan can measure).
+trains with (``edgeflux.train.fit_step``, on a copy) is timed over a few batches of the training data after two
+warm-up ones: samples per second at the median step, and from it the seconds an epoch of the training set takes
+(training only). What a candidate trades away is said beside it: recomputation, BatchNorm on micro-batches, the
+parameters it leaves frozen (an accuracy risk no few-step plan can measure).
 
 ``method: auto`` (train_bp, finetune) trains with the fastest feasible candidate among those that train every
-parameter: the same model and loss, only how memory is spent differs. Samples/s is not time to an accuracy:
+parameter: the same model and loss, only how memory is spent differs. It trains from the batch the plan
+measured (TrainRun.batch_hint: confirmed in three measured steps instead of a second search). Samples/s is not time to an accuracy:
 each candidate's batch sets its learning rate (lr_scaling) and accumulation makes fewer, larger updates, which
 a few timed steps cannot weigh; bench/budget.py measures what each reaches, and when (docs/tricks.md). Choosing
 *what* to train (FT-Bias's biases, MobileTL's top blocks) trades accuracy, which the table shows and the user
@@ -26,7 +27,7 @@ from edgeflux.lazy import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "core": ["BACKPROP_CANDIDATES", "FINETUNE_CANDIDATES", "FINETUNE_FULL", "NoFeasibleMethodError", "PlanRow",
-             "auto_method", "fastest", "plan_one", "plan_training", "time_step"],
+             "STEPS", "auto_method", "fastest", "plan_one", "plan_training", "time_step"],
     "finetune": ["plan_finetune"],
     "neuroflux": ["plan_neuroflux"],
 })

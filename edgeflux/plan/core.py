@@ -3,7 +3,10 @@ run's own step, timed), a row of the plan's table, and the choice method: auto m
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
+import math
+import statistics
 import time
 from dataclasses import asdict, dataclass
 
@@ -67,25 +70,37 @@ def _trades(spec: str) -> str:
     return "; ".join(TRADES[p] for p in parts) or "-"
 
 
+STEPS = 5    # timed groups per candidate (an odd count: the median is one of them)
+WARMUP = 2   # groups before timing: the first allocates optimizer state, the second still settles caches
+
+
 def time_step(model: nn.Module, train: tuple, opts: TrainOptions, batch: int, run: TrainRun, steps: int) -> float:
-    """Samples per second of the step fit trains with at ``batch`` (on a copy of ``model``), over ``steps``
-    batches of the training data after one warm-up (and, with accumulation, whole groups)."""
+    """Samples per second of the step fit trains with at ``batch`` (on a copy of ``model``): the median over
+    ``steps`` groups (one step; with accumulation, the micro-batches of one update) of the training data after
+    WARMUP groups (the data's epochs repeated when it holds fewer). The median, not the mean: a few steps' mean is
+    carried by one slow step (a warm-up straggler, a preempted core), while the run's rate over thousands of
+    steps is the steady one."""
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
     x, y = train
     step = fit_step(copy.deepcopy(model).to(run.device).train(), opts, batch, run, len(y))
     hook = run.make_before_step(step, train, batch) if run.make_before_step else None
     group = step.accumulation.every if step.accumulation is not None else 1
-    result, seen, elapsed = TrainResult(), 0, 0.0
-    feed = batches(x, y, batch, shuffle=True, seed=opts.seed)
-    for i, (xb, yb) in enumerate(feed):
-        if i == group * (steps + 1):
-            break
+    result, rates, seen, elapsed = TrainResult(), [], 0, 0.0
+    epochs = (batches(x, y, batch, shuffle=True, seed=opts.seed + e) for e in itertools.count())
+    for i, (xb, yb) in enumerate(b for epoch in epochs for b in epoch):
         if hook is not None:
-            hook(result)
+            hook(result)         # an elastic hook profiles in the warm-up groups
         start = time.perf_counter()
         step(xb.to(run.device), yb.to(run.device))
-        if i >= group:         # the first group warms up (an elastic hook profiles there)
+        if i >= group * WARMUP:
             elapsed, seen = elapsed + time.perf_counter() - start, seen + len(yb)
-    return seen / elapsed if elapsed > 0 else float("nan")
+        if (i + 1) % group == 0 and seen:
+            rates.append(seen / max(elapsed, 1e-9))
+            seen, elapsed = 0, 0.0
+        if len(rates) == steps:
+            break
+    return statistics.median(rates)
 
 
 def plan_one(spec: str, label: str, model: nn.Module, train: tuple, opts, run: TrainRun, steps: int) -> PlanRow:
@@ -105,7 +120,7 @@ def plan_one(spec: str, label: str, model: nn.Module, train: tuple, opts, run: T
                    trainable, _trades(spec), full)
 
 
-def plan_training(model: nn.Module, train: tuple, opts, candidates=None, steps: int = 4,
+def plan_training(model: nn.Module, train: tuple, opts, candidates=None, steps: int = STEPS,
                   device: str | torch.device = "cpu") -> list[PlanRow]:
     """Every from-scratch candidate (default: BACKPROP_CANDIDATES) for ``model`` under opts' budget."""
     rows = []
@@ -120,7 +135,7 @@ def fastest(rows: list[PlanRow]) -> PlanRow:
     """The feasible candidate that trains every parameter fastest (what method: auto runs): of those within NOISE
     of the fastest samples/s, the one with the fewest modifiers (a few timed steps cannot tell them apart, and
     each modifier trades something)."""
-    feasible = [r for r in rows if r.feasible and r.full]
+    feasible = [r for r in rows if r.feasible and r.full and math.isfinite(r.samples_per_s or float("nan"))]
     if not feasible:
         smallest = min((r.min_budget_bytes for r in rows if r.full and r.min_budget_bytes), default=None)
         scratch = any(r.method.startswith("backprop") for r in rows)
@@ -134,10 +149,12 @@ def fastest(rows: list[PlanRow]) -> PlanRow:
     return min(near, key=lambda r: (r.method.count("-"), -r.samples_per_s))
 
 
-def auto_method(rows: list[PlanRow], budget_bytes: int, run) -> str:
-    """What ``method: auto`` trains with: the fastest feasible row's method; the whole plan is logged to the stage's
-    MLflow run (``run``: edgeflux.tracking's) as plan.json."""
-    chosen = fastest(rows).method
-    run.log_dict({"budget_bytes": budget_bytes, "auto": chosen, "rows": [r.to_dict() for r in rows]}, "plan.json")
+def auto_method(rows: list[PlanRow], budget_bytes: int, run) -> PlanRow:
+    """What ``method: auto`` trains with: the fastest feasible row (its method, and its batch, which the run takes
+    as TrainRun.batch_hint rather than searching again); the whole plan is logged to the stage's MLflow run
+    (``run``: edgeflux.tracking's) as plan.json."""
+    chosen = fastest(rows)
+    run.log_dict({"budget_bytes": budget_bytes, "auto": chosen.method, "rows": [r.to_dict() for r in rows]},
+                 "plan.json")
     return chosen
 

@@ -10,11 +10,11 @@ from edgeflux.finetune.methods import calibration_batches, method_options, prepa
 from edgeflux.finetune.options import FinetuneOptions, finetune_label
 from edgeflux.train import TrainRun
 
-from .core import FINETUNE_CANDIDATES, PlanRow, plan_one
+from .core import FINETUNE_CANDIDATES, STEPS, PlanRow, plan_one
 
 
 def plan_finetune(model: nn.Module, train: tuple, opts: FinetuneOptions, candidates=None,
-                  steps: int = 4, device: str | torch.device = "cpu") -> list[PlanRow]:
+                  steps: int = STEPS, device: str | torch.device = "cpu") -> list[PlanRow]:
     """Every fine-tuning candidate (default: FINETUNE_CANDIDATES) for a pretrained ``model`` under opts' budget,
     each prepared as edgeflux.finetune.finetune prepares it (lean layers included)."""
     rows = []

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import statistics
 import time
 
 import torch
@@ -16,12 +17,12 @@ from edgeflux.neuroflux.partition import partition
 from edgeflux.neuroflux.profile import profile_units
 from edgeflux.train import optimizer_factory
 
-from .core import TRADES, PlanRow
+from .core import STEPS, TRADES, WARMUP, PlanRow
 
 log = logging.getLogger(__name__)
 
 
-def plan_neuroflux(spec: dict, train: tuple, opts, steps: int = 4, device: str | torch.device = "cpu") -> PlanRow:
+def plan_neuroflux(spec: dict, train: tuple, opts, steps: int = STEPS, device: str | torch.device = "cpu") -> PlanRow:
     """NeuroFlux on the model ``spec`` (build_model arguments) with opts' settings (the neuroflux section): the
     profile and partition its stages run (Algorithm 1), then each block's step measured at its batch and timed
     on its input (the units before it, run forward once); an epoch is every block's pass over the training set."""
@@ -38,7 +39,7 @@ def plan_neuroflux(spec: dict, train: tuple, opts, steps: int = 4, device: str |
         return PlanRow("neuroflux", "NeuroFlux", False, None, None, None, e.min_feasible_bytes, None, None,
                        trainable, TRADES["neuroflux"], False)
     x, y = train
-    n = min(len(y), max(b.batch_size for b in blocks) * max(steps + 1, CONTENT_SAMPLES))
+    n = min(len(y), max(b.batch_size for b in blocks) * max(steps + WARMUP, CONTENT_SAMPLES))
     inputs, y, peak, epoch_s, batches_used = x[:n].to(device), y[:n].to(device), 0, 0.0, []
     make_optimizer = optimizer_factory(opts)
     for block in blocks:
@@ -56,12 +57,7 @@ def plan_neuroflux(spec: dict, train: tuple, opts, steps: int = 4, device: str |
         b = choice.batch_size
         peak, batches_used = max(peak, choice.memory.peak_bytes), batches_used + [b]
         step = BlockStep.factory(make_optimizer, opts.bittrain.context)(copy.deepcopy(LocalBlock(group)))
-        step(inputs[:b], y[:b])
-        timed = [(inputs[i:i + b], y[i:i + b]) for i in range(b, min(n, b * (steps + 1)) - b + 1, b)]
-        start = time.perf_counter()
-        for xb, yb in timed:
-            step(xb, yb)
-        epoch_s += (time.perf_counter() - start) / (len(timed) * b) * len(train[1])
+        epoch_s += median_step_s(step, inputs, y, b, steps) / b * len(train[1])
         inputs = forward_block(group, inputs)[0]   # the next block's input, as the activation cache holds it
     batch = "/".join(map(str, batches_used))
     per_s = len(train[1]) / epoch_s
@@ -70,3 +66,16 @@ def plan_neuroflux(spec: dict, train: tuple, opts, steps: int = 4, device: str |
                    min(batches_used), None, peak, None, per_s, epoch_s, trainable, TRADES["neuroflux"], False)
 
 
+def median_step_s(step, x, y, batch: int, steps: int) -> float:
+    """A block step's median seconds over ``steps`` batches of (x, y) after WARMUP ones (as time_step times the
+    other candidates), cycling through the batches x holds when they are fewer."""
+    count = max(1, len(y) // batch)
+    seconds = []
+    for i in range(WARMUP + steps):
+        k = i % count
+        xb, yb = x[k * batch:(k + 1) * batch], y[k * batch:(k + 1) * batch]
+        start = time.perf_counter()
+        step(xb, yb)
+        if i >= WARMUP:
+            seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
