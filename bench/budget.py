@@ -229,15 +229,16 @@ def budget_rows(name: str, splits: dict, args) -> Iterator[list[dict]]:
 
 
 def mark_auto(rows: list[dict]) -> list[dict]:
-    """``auto`` true on the row of the method method: auto chose at its model and budget (the seeds' most common
-    choice), false elsewhere where auto ran (elsewhere the flags stay as written); rows merged from several runs
-    keep one row per method (the later run's)."""
+    """``auto`` true on the row of the method a method: auto row at its model and budget chose (the seeds' most
+    common choice), false elsewhere; rows merged from several runs keep one row per method (the later run's), in
+    the order model, budget (largest first), method."""
     rows = list({(r["workload"], r["model"], r["budget_bytes"], r["method"]): r for r in rows}.values())
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    rows.sort(key=lambda r: (models.index(r["model"]), -r["budget_bytes"], list(METHODS).index(r["method"])))
     for r in rows:
-        auto = next((a for a in rows if a["method"] == "auto" and
+        auto = next((a for a in rows if a["method"] == "auto" and a["feasible"] and
                      (a["model"], a["budget_bytes"]) == (r["model"], r["budget_bytes"])), None)
-        if auto is not None:
-            r["auto"] = auto["feasible"] and r["method"] == _majority(auto["chose"])
+        r["auto"] = auto is not None and r["method"] == _majority(auto["chose"])
     return rows
 
 
@@ -321,6 +322,7 @@ def plot(rows: list[dict], path: Path, target: float) -> None:
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = plt.subplots(1, len(models), figsize=(max(9, 6 * len(models)), 5.5), squeeze=False)
     methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    machines = list(dict.fromkeys(r.get("machine") for r in rows))   # rows of merged runs name theirs
     for ax, model in zip(axes[0], models):
         fracs = sorted({r["budget_frac"] for r in rows if r["model"] == model}, reverse=True)
         width = 0.8 / len(methods)
@@ -329,13 +331,16 @@ def plot(rows: list[dict], path: Path, target: float) -> None:
                 r = next((r for r in rows if (r["model"], r["method"], r["budget_frac"]) == (model, method, frac)),
                          None)
                 x = i + (k - (len(methods) - 1) / 2) * width
-                if r is None or not r["feasible"] or r["time_to_target_s"] is None:
-                    ax.text(x, 0, "x" if r is None or not r["feasible"] else "-", ha="center", va="bottom",
+                if r is None:     # not run at this budget
+                    continue
+                if not r["feasible"] or r["time_to_target_s"] is None:
+                    ax.text(x, 0, "x" if not r["feasible"] else "-", ha="center", va="bottom",
                             color=METHOD_COLOURS[METHODS[method]], fontsize=9)
                     continue
                 lo, hi = r["ci95_s"] or (r["time_to_target_s"],) * 2
                 ax.bar(x, r["time_to_target_s"], width, color=METHOD_COLOURS[METHODS[method]],
                        edgecolor="black" if r["auto"] else "none", linewidth=1.5,
+                       hatch="//" if r.get("machine") != machines[0] else None,
                        yerr=[[r["time_to_target_s"] - lo], [hi - r["time_to_target_s"]]], capsize=3)
         ax.set_xticks(range(len(fracs)), [f"{f:.1%} of backprop's\nbatch-{REFERENCE_BATCH} peak" for f in fracs])
         ax.set(title=model, ylabel=f"seconds to {target:.0%} test accuracy (mean, 95% CI)")
@@ -344,9 +349,11 @@ def plot(rows: list[dict], path: Path, target: float) -> None:
     handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black", linewidth=1.5))
     fig.legend(handles, [METHODS[m] for m in methods] + ["method: auto's choice"], loc="upper center",
                ncol=4, frameon=False, fontsize=9)
-    fig.text(0.5, 0.01, "x: cannot train at this budget;  -: not every seed reached the target in the time limit",
-             ha="center", fontsize=9)
-    fig.tight_layout(rect=(0, 0.04, 1, 0.92))
+    other = f"\nhatched: measured on another machine ({', '.join(map(str, machines[1:]))}): compare within a " \
+            "budget only" if len(machines) > 1 else ""
+    fig.text(0.5, 0.01, "x: cannot train at this budget;  -: not every seed reached the target in the time limit"
+             + other, ha="center", fontsize=9)
+    fig.tight_layout(rect=(0, 0.07 if other else 0.04, 1, 0.92))
     _save(fig, path)
 
 
@@ -371,7 +378,8 @@ def write(rows: list[dict], args, notes: str, measured_by: dict | None = None) -
            "peak": format_bytes(r["peak_bytes"]) if r["peak_bytes"] else "",
            "to target": _cell(r).split(" to target")[0] if r["feasible"] else _cell(r),
            "reached": r.get("reached", ""), "CPU s": f"{r['cpu_to_target_s']:.1f}" if r.get("cpu_to_target_s") else "",
-           "test acc": fmt_ci(r["test_acc_ci"]) if r["feasible"] else ""} for r in rows]
+           "test acc": fmt_ci(r["test_acc_ci"]) if r["feasible"] else "",
+           **({"machine": r.get("machine", "")} if len({r.get("machine") for r in rows}) > 1 else {})} for r in rows]
     result.write(NAME, args.out, title=f"Time to {args.target_acc:.0%} test accuracy under a memory budget",
                  md_rows=md, notes=notes, measured_by=measured_by,
                  extra={"verdicts": judged, "settings": {k: str(v) if isinstance(v, Path) else v
@@ -383,6 +391,9 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.combine:
         parts, rows, measured_by = read_parts(args.combine)
+        for part in parts:   # each row keeps the processor it ran on: times compare on one machine only
+            for r in part["rows"]:
+                r.setdefault("machine", part["machine"]["cpu"])
         args.target_acc = parts[0]["settings"]["target_acc"]
         notes = " | ".join(f"`{part['command']}`: {part['notes']}" for part in parts)
         return write(mark_auto(rows), args, notes, measured_by=measured_by)

@@ -444,9 +444,10 @@ def test_budget_verdicts_pair_auto_with_the_fastest_by_seed():
                         row("auto", [2.0], chose=[b, b, a])])
     assert [(r["method"], r["auto"]) for r in merged] == [(a, False), (b, True), ("auto", False)]
     assert merged[1].get("new") is True
-    # where auto did not run, the flags stay as written, and the verdict says auto did not run
-    kept = mark_auto([row(a, [1.0], auto=True), row(b, [2.0])])
-    assert [r["auto"] for r in kept] == [True, False] and verdicts(kept)[0]["auto"] == "auto not run"
+    # where auto did not run no row is its choice (an older run's flag is dropped), and the verdict says so
+    kept = mark_auto([row(b, [2.0]), row(a, [1.0], auto=True)])
+    assert [(r["method"], r["auto"]) for r in kept] == [(a, False), (b, False)]
+    assert verdicts(kept)[0]["auto"] == "auto not run"
 
 
 def test_accumulate_pairs_each_micro_batch_with_plain_backprop_by_seed(tmp_path):
