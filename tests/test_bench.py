@@ -405,7 +405,9 @@ def test_budget_quick_keeps_the_results_contract_and_combines(tmp_path):
     again = tmp_path / "again"
     subprocess.run([sys.executable, "-m", "bench.budget", "--combine", str(tmp_path / "budget.json"), "--out",
                     str(again)], cwd=REPO, check=True, capture_output=True, text=True, timeout=300)
-    assert json.loads((again / "budget.json").read_text())["rows"] == rows
+    merged = json.loads((again / "budget.json").read_text())["rows"]   # each row names the processor it ran on
+    assert [{k: v for k, v in r.items() if k != "machine"} for r in merged] == rows
+    assert {r["machine"] for r in merged} == {result["machine"]["cpu"]}
 
 
 def test_budget_verdicts_pair_auto_with_the_fastest_by_seed():
