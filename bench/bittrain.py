@@ -481,10 +481,11 @@ page faults/step: minor page faults of the process during a timed step (each a f
 glibc returns large freed blocks to the OS, so every step's re-allocations fault again unless --malloc retain).
 """
     name, title = NAME, "BitTrain: sparse bitmap activations, Table 1 and whole training steps"
-    if args.malloc == "retain":
+    if args.malloc == "retain":   # malloc changes neither bytes nor accuracy: its figure would be bittrain.png again
         name, title = f"{NAME}_retain", title + " (glibc malloc keeps freed heap memory)"
-    plot_bar_panels(plot_panels(train, acc, cfg["batch"], acc_steps), Path(args.out) / f"{name}.png", title=title)
-    notes = notes.replace("{png}", f"{name}.png") + (f"torch intra-op threads: {torch.get_num_threads()}; "
+    else:
+        plot_bar_panels(plot_panels(train, acc, cfg["batch"], acc_steps), Path(args.out) / f"{name}.png", title=title)
+    notes = notes.replace("{png}", f"{NAME}.png") + (f"torch intra-op threads: {torch.get_num_threads()}; "
                                                      f"C++ kernel loaded: {kernel.available()}; malloc: {args.malloc}.\n")
     result.write(name, args.out, title=title, md_rows=md_train, notes=notes,
                  extra={"copy_bandwidth": bandwidth, "targets": tg,

@@ -396,7 +396,10 @@ def main(argv=None) -> None:
                 r.setdefault("machine", part["machine"]["cpu"])
         args.target_acc = parts[0]["settings"]["target_acc"]
         notes = " | ".join(f"`{part['command']}`: {part['notes']}" for part in parts)
-        return write(mark_auto(rows), args, notes, measured_by=measured_by)
+        rows = mark_auto(rows)   # a row measured again replaces the earlier one
+        left = {r["machine"] for r in rows}   # the header names the latest machine whose rows are kept
+        measured_by["machine"] = next(p["machine"] for p in reversed(parts) if p["machine"]["cpu"] in left)
+        return write(rows, args, notes, measured_by=measured_by)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)

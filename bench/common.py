@@ -27,6 +27,8 @@ from typing import Any
 import psutil
 import torch
 
+from edgeflux.colours import METHOD_COLOURS  # noqa: F401  (the benchmarks' figures: one colour per method)
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
@@ -224,9 +226,3 @@ def fmt_ci(ci: dict, unit: str = "", digits: int = 3) -> str:
     text = f"{ci['mean']:.{digits}g}{unit}"
     return text + (f" [{ci['lo']:.{digits}g}, {ci['hi']:.{digits}g}]" if ci["lo"] is not None else "") + \
         f" (n={ci['n']})"
-
-
-# one colour per method in every figure (matplotlib's tab10 order)
-METHOD_COLOURS = {"NeuroFlux": "#1f77b4", "backprop": "#ff7f0e", "plain backprop": "#ff7f0e", "classic LL": "#2ca02c",
-                  "checkpointing": "#d62728", "step in backward": "#9467bd",
-                  "checkpointing + step in backward": "#8c564b", "accumulation": "#bcbd22", "method: auto": "#7f7f7f"}

@@ -50,7 +50,8 @@ from bench.common import BenchResult, HelpFormatter, bench_argparser
 from edgeflux.backprop import train_under_budget
 from edgeflux.bittrain import BitTrainOptions
 from edgeflux.data import load_raw, prepare, tensors
-from edgeflux.finetune import FinetuneOptions, calibration_batches, count_flops, finetune
+from edgeflux.colours import method_colour
+from edgeflux.finetune import FinetuneOptions, calibration_batches, count_flops, finetune, finetune_label
 from edgeflux.finetune import prepare as prepare_method
 from edgeflux.memory import (MiB, BudgetTooSmallError, TrainStep, format_bytes, measure_training_step,
                              saved_bytes_by_node)
@@ -396,20 +397,25 @@ def plot(rows: list[dict], path: Path, blocks: int, block_size: int) -> None:
     and the saved bytes of one block, vanilla vs MobileTL, with and without BitTrain."""
     transfer = [r for r in rows if r["case"] == "transfer"]
     models = list(dict.fromkeys(r["model"] for r in transfer))
-    fig, axes = plt.subplots(1, len(models) + 1, figsize=(6 * len(models) + 6, 4.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(models) + 1, figsize=(6 * len(models) + 6, 5.2), squeeze=False,
+                             layout="constrained")
     top = max((r["flops"] for r in transfer), default=1)
+    handles = {}
     for ax, model in zip(axes[0], models):
+        # each method in its colour (edgeflux.colours), named in one legend below the panels: names written
+        # beside points at about the same place ran into each other
         for r in (r for r in transfer if r["model"] == model):
             name = label(r["method"], blocks, r["bittrain"])
-            ax.scatter(r["peak_bytes"] / MiB, r["test_acc"], s=40 + 900 * r["flops"] / top, alpha=0.6,
-                       marker="D" if r["bittrain"] else "o", label=name)
-            ax.annotate(name, (r["peak_bytes"] / MiB, r["test_acc"]), fontsize=7, xytext=(5, 5),
-                        textcoords="offset points")
+            handles[name] = ax.scatter(r["peak_bytes"] / MiB, r["test_acc"], s=40 + 900 * r["flops"] / top,
+                                       alpha=0.7, marker="D" if r["bittrain"] else "o", edgecolor="black",
+                                       linewidth=0.5, color=method_colour(finetune_label(r["method"], r["bittrain"])))
         batch = next(r["batch"] for r in transfer if r["model"] == model)
         ax.set(title=f"{model}: target test accuracy vs measured peak\n(batch {batch}; marker area: counted "
                      f"training-step FLOPs)", xlabel="measured peak of a training step (MiB)",
                ylabel="test accuracy (target classes)")
         ax.grid(alpha=0.3)
+    fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncols=min(len(handles), 7),
+               fontsize=8, frameon=False, markerscale=0.5)
     ax = axes[0][-1]
     blocks_rows = [r for r in rows if r["case"] == "block"]
     names = list(dict.fromkeys(r["model"] for r in blocks_rows))
@@ -427,7 +433,6 @@ def plot(rows: list[dict], path: Path, blocks: int, block_size: int) -> None:
            ylabel="MiB")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

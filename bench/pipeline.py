@@ -60,6 +60,8 @@ WHAT = {"repro_s": "dvc repro --force in a fresh clone",
         "prefect_overhead_s": "Prefect flow vs plain dvc loop, per stage",
         "pickup_s": "worker pick-up: start_time - expected_start_time (median)",
         "roundtrip_s": "cloud_flow/cloud triggered -> device_flow/pi Completed"}
+LABELS = {"repro_s": "full repro, fresh clone", "noop_s": "no-op repro", "prefect_overhead_s": "Prefect, per stage",
+          "pickup_s": "worker pick-up", "roundtrip_s": "cloud -> device round trip"}   # the plot's short names
 RUNNING = re.compile(r"^Running stage '([^']+)':")
 RUN_TIMEOUT_S = 3600   # one deployment run, CI-sized params: minutes; this is a hang
 
@@ -308,11 +310,12 @@ def plot(figures: dict, stages: list[dict], out: Path) -> None:
                     label="target" if i == 0 else None)
         ax.annotate(f"{figures[key]:.3g} s", (figures[key], i), xytext=(3, 0), textcoords="offset points",
                     va="center", fontsize=8)
-    ax.set_yticks(range(len(keys)), keys)
+    ax.set_yticks(range(len(keys)), [LABELS[k] for k in keys])
     ax.invert_yaxis()
     ax.set_xscale("log")
-    ax.set(xlabel="wall time (s, log scale; overhead: per stage)", title="Pipeline timings")
-    ax.legend(fontsize=8)
+    ax.set(xlabel="wall time (s, log scale; Prefect: its overhead per stage)", title="Pipeline timings")
+    ax.set_xlim(right=max(figures[k] for k in keys) * 8)   # room for the last bar's figure
+    ax.legend(fontsize=8, loc="lower right")
     names = [s["stage"] for s in stages]
     per_stage.barh(range(len(names)), [s["wall_s"] for s in stages], color="tab:green")
     per_stage.set_yticks(range(len(names)), names)

@@ -1,3 +1,7 @@
 """edgeflux: train and adapt CNNs on edge devices inside a hard memory budget."""
+from importlib.metadata import PackageNotFoundError, version
 
-__version__ = "0.1.0"
+try:   # one place for the version: pyproject.toml, as installed
+    __version__ = version("edgeflux")
+except PackageNotFoundError:   # the source tree, not installed
+    __version__ = "0+unknown"

@@ -12,10 +12,11 @@ vl-convert-python:
 
     pip install vl-convert-python && python -m edgeflux.plots_template    # writes both files
 
-`stages` is DVC's `linear` template (its version installed here) coloured by curve instead of by revision:
+`stages` is DVC's `linear` template (its version installed here) coloured by method instead of by revision:
 `linear` colours every line by its git revision and tells files apart by dash pattern only, so the
-workspace's six curves come out one colour. Here colour is the file (`filename`: DVC keeps that field when
-a plot's y maps several files to one column) and the dash pattern is the revision (`dvc plots diff`).
+workspace's curves come out one colour. Here colour is the method (the `method` column every curve CSV
+carries: the report's name of the method that trained, stages.common.write_history_csv; one file, one
+method) and the dash pattern is the revision (`dvc plots diff`).
 
 DVC fills three placeholders with str.replace: `{plot_divs}` (required), `{refresh_tag}` and `{scripts}`;
 the page has the first two, and neither the bundle nor the page's text may contain any of the three.
@@ -63,7 +64,7 @@ Vega charts: hover for values; the ... menu saves a chart as SVG or PNG.</p>
 
 
 def stages_template() -> dict:
-    """DVC's `linear` Vega-Lite template with colour by `filename` (one per curve) and dash by `rev`."""
+    """DVC's `linear` Vega-Lite template with colour by `method` (one per curve) and dash by `rev`."""
     import copy
 
     from dvc_render.vega_templates import LinearTemplate
@@ -73,7 +74,7 @@ def stages_template() -> dict:
     # (not on the chart: the hover rule's pivoted rows have neither field and would add 'undefined')
     for anchor in ("color", "strokeDash"):
         spec["encoding"].pop(anchor)
-    by_curve = {"color": {"field": "filename", "type": "nominal", "title": "curve (plots/...)",
+    by_curve = {"color": {"field": "method", "type": "nominal", "title": "method",
                           "legend": {"labelLimit": 400}},
                 "strokeDash": {"field": "rev", "type": "nominal", "title": "revision"}}
     for layer in spec["layer"]:

@@ -27,6 +27,8 @@ from ruamel.yaml import YAML
 from edgeflux.errors import UserError
 from edgeflux.options import Options
 
+OVERRIDES_ENV = "EDGEFLUX_OVERRIDES"   # `edgeflux run`'s overrides as JSON, for the pipeline's MLflow parent run
+
 __all__ = ["PRESETS_DIR", "Preset", "PresetError", "available", "load_preset", "merge", "set_params"]
 
 PRESETS_DIR = Path("presets")   # relative to the project root, where params.yaml is: each clone has its own

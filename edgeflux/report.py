@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from edgeflux.colours import method_colour
 from edgeflux.memory import OUTSIDE_UNITS, MiB
 
 # An accuracy-vs-time curve: a CSV with time_s, cpu_s and val_acc columns (as the training stages write
@@ -49,7 +50,7 @@ def plot_accuracy_vs_time(curves: dict[str, Curve], out: Path, target_acc: float
     fig, ax = plt.subplots(figsize=(8, 5))
     for label, curve in curves.items():
         if (points := _points(curve)) is not None:
-            ax.plot(*points, marker="o", markersize=3, label=label)
+            ax.plot(*points, marker="o", markersize=3, label=label, color=method_colour(label))
     if target_acc is not None:
         ax.axhline(target_acc, color="grey", linestyle="--", linewidth=1, label=f"target {target_acc:.0%}")
     ax.set(xlabel="training CPU time (s, every thread; the wall clock stretches on a loaded machine)",

@@ -9,6 +9,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+# the labels of rows that several stages write (the curve file's method column, the report's row)
+NEUROFLUX_FULL, MEANET_EDGE, BITTRAIN = "NeuroFlux, full model", "MEANet, edge only", " + BitTrain"
+
+
+def with_bittrain(label: str, on: bool) -> str:
+    """``label`` + " + BitTrain" when the stage ran with it and the label does not already say so."""
+    return label + BITTRAIN if on and BITTRAIN not in label else label
+
 
 @dataclass
 class MethodRow:
@@ -42,7 +50,7 @@ class RowInputs:
     finetune_model: str | None = None
 
     def plus(self, section: str) -> str:
-        return " + BitTrain" if self.bittrain.get(section) else ""
+        return BITTRAIN if self.bittrain.get(section) else ""
 
 
 def training_row(method: str, stage: str, starts_from: str, model: str, head: Mapping, **override) -> MethodRow:

@@ -7,13 +7,15 @@ The server itself (start, readiness, stop) is edgeflux.meanet.server.ModelServer
 from __future__ import annotations
 
 import argparse
-import logging
 
 from edgeflux.meanet.server import CloudServerError, ModelServer
+from pipeline import cli_logging
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description="Serve MEANet's cloud model (an MLflow model: the meanet_cloud "
+                                     "stage's models/meanet/cloud) over HTTP with MLflow's model server, until "
+                                     "Ctrl-C; devices POST instances to /invocations.")
     parser.add_argument("--model", default="models/meanet/cloud",
                         help="an MLflow model directory or URI (default: the meanet_cloud stage's models/meanet/cloud)")
     parser.add_argument("--port", type=int, default=5001, help="port to listen on (default: 5001; 0: a free one)")
@@ -24,8 +26,7 @@ def main() -> None:
                         help="seconds to wait for the server to answer /ping (default: 120)")
     parser.add_argument("--log", default=None, help="the server's output goes here (default: a temp file)")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)   # one INFO line per /ping otherwise
+    cli_logging()
     try:
         with ModelServer(args.model, args.port or None, args.host, args.ready_timeout_s, args.log) as server:
             print(f"serving {args.model} on {server.url} (POST /invocations); Ctrl-C stops it")

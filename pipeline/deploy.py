@@ -26,7 +26,7 @@ import argparse
 import logging
 from dataclasses import dataclass, field
 
-from pipeline import flows  # first: it sets the offline environment before prefect is imported
+from pipeline import cli_logging, flows  # first: flows sets the offline environment before prefect is imported
 from prefect.client.orchestration import get_client  # noqa: I001
 from prefect.client.schemas.actions import DeploymentScheduleCreate, WorkPoolCreate
 from prefect.client.schemas.schedules import CronSchedule
@@ -74,6 +74,12 @@ def _entrypoint(fn) -> str:
     return f"pipeline/flows.py:{fn.fn.__name__}"
 
 
+def summary_of(docstring: str | None) -> str:
+    """A flow's docstring's first paragraph as one line: the deployment's description in Prefect's UI (its first
+    line alone would end mid-sentence where the docstring wraps)."""
+    return " ".join((docstring or "").strip().split("\n\n")[0].split())
+
+
 def apply(items: list[Deployment], pools=POOLS) -> dict[str, str]:
     """Create or update the pools and deployments; {deployment name: id}."""
     template = ProcessWorker.get_default_base_job_template()
@@ -90,7 +96,7 @@ def apply(items: list[Deployment], pools=POOLS) -> dict[str, str]:
                 flow_id, d.name, work_pool_name=d.pool, entrypoint=_entrypoint(d.flow), pull_steps=PULL_STEPS,
                 parameters=d.parameters, schedules=schedules, enforce_parameter_schema=True,
                 parameter_openapi_schema=parameter_schema(d.flow).model_dump_for_openapi(),
-                description=(d.flow.description or "").strip().splitlines()[0]))
+                description=summary_of(d.flow.description)))
             log.info("deployment %s on pool %s%s", d.full_name, d.pool, f", cron {d.cron!r}" if d.cron else "")
     return ids
 
@@ -106,7 +112,7 @@ def main() -> None:
                              "'none' runs params.yaml as it is; repeatable (defaults: "
                              + ", ".join(f"{k}={v}" for k, v in DEVICE_PRESETS.items()) + ")")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cli_logging()
     o = load_params(args.params).orchestration
     if args.cron:
         o = OrchestrationParams(**{**o.model_dump(), "retrain_cron": args.cron})

@@ -33,6 +33,7 @@ from pathlib import Path
 from edgeflux.auth import PASSWORD_ENV, USER, AuthError, auth_file, client_env, init_auth_file, load_password
 from edgeflux.environ import venv_env
 from edgeflux.service import Service, ServiceError
+from pipeline import cli_logging
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,11 @@ class PrefectServer(Service):
         return [sys.executable, "-m", "prefect", "server", "start", "--host", self.host, "--port", str(self.port)]
 
 
+# MLflow's job runner (a huey consumer per job type, for its GenAI jobs), which edgeflux never submits to:
+# processes and memory taken from training on a small host (bench/servers.py measures the difference)
+NO_JOBS = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
+
 class MLflowServer(Service):
     """`mlflow server` with a sqlite store and the artifacts it serves (devices upload them over HTTP).
 
@@ -89,7 +95,8 @@ class MLflowServer(Service):
         self.workers, self.allowed_hosts = workers, allowed_hosts
         self.authenticated = bool(password)
         kwargs.setdefault("log_path", self.store / "server.log")
-        super().__init__(port, host, env=venv_env(self._auth_env(password)) if password else None, **kwargs)
+        super().__init__(port, host, env=venv_env({**NO_JOBS, **(self._auth_env(password) if password else {})}),
+                         **kwargs)
 
     def _auth_env(self, password: str) -> dict[str, str]:
         return {"MLFLOW_AUTH_CONFIG_PATH": str(self.store / "basic_auth.ini"), "MLFLOW_AUTH_ADMIN_USERNAME": USER,
@@ -240,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.servers", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    cloud = sub.add_parser("cloud", help="the Prefect server and the MLflow tracking server, until Ctrl-C")
+    cloud = sub.add_parser("cloud", help="the Prefect server and the MLflow tracking server, until Ctrl-C",
+                           description="The Prefect server and the MLflow tracking server for the cloud host and its "
+                                       "devices, until Ctrl-C.")
     cloud.add_argument("--dir", default=".edgeflux/servers", help="their databases, artifacts and logs (default: %(default)s)")
     cloud.add_argument("--host", default="127.0.0.1", help="interface to listen on; 0.0.0.0 for devices on the network, which needs the "
                        "servers' password (--init-auth) (default: %(default)s)")
@@ -255,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
                             "exists): needed for any --host but loopback (see docs/cli.md, Security)")
     cloud.add_argument("--deploy", action="store_true", help="create the work pools and deployments (pipeline.deploy) once up")
     cloud.add_argument("--follow", action="store_true", help="print the servers' logs here as they grow")
-    worker = sub.add_parser("worker", help="a Prefect process worker for one device (or the cloud), until Ctrl-C")
+    worker = sub.add_parser("worker", help="a Prefect process worker for one device (or the cloud), until Ctrl-C",
+                            description="A Prefect process worker in this clone that runs the flow runs of its pool "
+                                        "(and of its device's own queue), until Ctrl-C.")
     worker.add_argument("--pool", required=True, choices=["cloud", "jetson", "pi"], help="its work pool")
     worker.add_argument("--device-id", default=None,
                         help="this device's name in runs and in MLflow, and (jetson, pi) the work queue of its own that "
@@ -266,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the MLflow server (default: $MLFLOW_TRACKING_URI)")
     worker.add_argument("--poll-s", type=float, default=None, help="how often it asks for runs (Prefect's default: 10 s)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cli_logging()
     # Ctrl-C and `kill` both stop the services cleanly: SIGINT even when a shell started this in the background
     # (which ignores it there), SIGTERM as from systemd or `docker stop`
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -144,13 +144,17 @@ def _holder(fd: int) -> str:
     return "unknown"
 
 
-def write_history_csv(path: Path, history: list[dict]) -> None:
-    """The accuracy-vs-time rows DVC plots (dvc.yaml's plots: x time_s or cpu_s, y val_acc)."""
+CURVE_COLUMNS = ("step", "epoch", "time_s", "cpu_s", "train_loss", "val_acc")
+
+
+def write_history_csv(path: Path, history: list[dict], method: str) -> None:
+    """The accuracy-vs-time rows DVC plots (dvc.yaml's plots: x time_s or cpu_s, y val_acc), each with the label
+    of the method that trained (the report's row): the plots' legend names methods, not files."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["step", "epoch", "time_s", "cpu_s", "train_loss", "val_acc"])
+        writer = csv.DictWriter(f, fieldnames=[*CURVE_COLUMNS, "method"], extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(history)
+        writer.writerows({**row, "method": method} for row in history)
 
 
 def peak_rss_bytes() -> int:

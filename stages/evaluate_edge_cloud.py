@@ -28,7 +28,7 @@ from edgeflux.meanet.model import load_meanet
 from edgeflux.meanet.plot import plot_sweep
 from edgeflux.meanet.server import ModelServer
 from edgeflux.tracking import stage_run
-from edgeflux.rows import MethodRow, RowInputs, training_row
+from edgeflux.rows import MEANET_EDGE, MethodRow, RowInputs, training_row
 from stages.common import run_stage, stage_parser, write_metrics
 from stages.registry import Stage
 
@@ -97,7 +97,7 @@ def summary_rows(inputs: RowInputs) -> list[MethodRow]:
     main = inputs.detail.get("meanet_cloud", {}).get("main", "?")
     cloud, edge, plus = head["evaluate_edge_cloud"], head["meanet_edge"], inputs.plus("meanet")
     starts = f"pretrained {main} (main block, fixed)"
-    return [training_row("MEANet, edge only" + plus, "meanet_edge", starts, main, edge, test_acc=cloud["edge_acc"]),
+    return [training_row(MEANET_EDGE + plus, "meanet_edge", starts, main, edge, test_acc=cloud["edge_acc"]),
             training_row(f"MEANet, edge + cloud ({cloud['cloud_frac']:.0%} sent)" + plus, "evaluate_edge_cloud",
                          starts, main, edge, test_acc=cloud["edge_cloud_acc"])]
 

@@ -86,7 +86,7 @@ def main(args, params) -> None:
         written = write_metrics(f"finetune/{method}", metrics, run)
         write_json(outputs["memory"], {**result.run.memory_report(), "method_info": result.info,
                                        **result.run.train.extra})
-        write_history_csv(outputs["plots"], result.run.train.history)
+        write_history_csv(outputs["plots"], result.run.train.history, method_label(method, metrics, p.bittrain.enabled))
         plot_selections(result.tensors, result.selections, outputs["tensors"], f"finetune {method}, {p.model}")
         save_model(outputs["models"], model, model.build_args, meta={"stage": "finetune", **metrics,
                                                                   "method_info": result.info})
@@ -104,13 +104,17 @@ def planned(model, train, p, device, run) -> tuple[str, int]:
     return chosen.method, chosen.batch
 
 
+def method_label(spec: str, detail: dict, bittrain: bool) -> str:
+    """The report's name of the run of ``spec`` that ``detail`` describes (auto: the method it chose)."""
+    return finetune_label(detail.get("method", spec), bittrain) + (" (auto)" if spec == AUTO else "")
+
+
 def summary_rows(inputs: RowInputs) -> list[MethodRow]:
     """One row per fine-tuning run, in finetune.methods' order."""
     rows = []
     for key in [k for k in inputs.head if k.startswith("finetune/")]:
         spec = key.split("/", 1)[1]
-        ran = inputs.detail[key].get("method", spec)     # auto: the method it chose
-        label = finetune_label(ran, bool(inputs.plus("finetune"))) + (" (auto)" if spec == AUTO else "")
+        label = method_label(spec, inputs.detail[key], bool(inputs.plus("finetune")))
         rows.append(training_row(label, f"finetune@{spec}",
                                  f"pretrained {inputs.finetune_model}", inputs.detail[key]["model"], inputs.head[key],
                                  curve=STAGE.curve.replace(MATRIX_ITEM, spec), plotted=True))

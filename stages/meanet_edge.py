@@ -22,6 +22,7 @@ from edgeflux.data.incoming import add_incoming, load_incoming
 from edgeflux.meanet.hard import HardClasses
 from edgeflux.meanet.model import block_costs, load_meanet, save_meanet
 from edgeflux.meanet.train import joint_step_memory, train_edge
+from edgeflux.rows import MEANET_EDGE, with_bittrain
 from edgeflux.tracking import stage_run
 from edgeflux.train import resolve_device
 from stages.common import peak_rss_bytes, run_stage, stage_parser, write_history_csv, write_metrics, TRAINING_HEADLINE
@@ -65,7 +66,7 @@ def main(args, params) -> None:
             **{k: v for k, v in TRAINING_HEADLINE.items() if k not in ("test_acc", "trainable_params")},
             "hard_test_acc": "hard_test_acc", "trained_params": "trainable_params"})
         write_json(MEMORY, {**result.memory_report(), "joint_step_memory": joint.to_dict()})
-        write_history_csv(PLOT, result.train.history)
+        write_history_csv(PLOT, result.train.history, with_bittrain(MEANET_EDGE, p.bittrain.enabled))
         save_meanet(EDGE, net, meta={"stage": "meanet_edge", **metrics})
         run.log_history(result.train.history)
         for path in (*written, MEMORY, PLOT):

@@ -42,7 +42,7 @@ def show() -> None:
         sys.exit(f"error: {SUMMARY} does not exist yet; run `dvc repro` first")
     print(SUMMARY.read_text())  # plain markdown: readable in any terminal width, pastes into notes
     print(f"Plots: {PARETO}, {PLOT}, {MEMORY_PLOT}\nBrowse every run in MLflow:  {ui_command()}  "
-          f"(then open {ui_url()})")
+          f"(then open {ui_url()}; flip its sidebar's switch to Machine learning once, so runs keep that view)")
 
 
 def stage_files(methods: list[str]) -> list[str]:
@@ -66,37 +66,51 @@ def curves() -> list[Path]:
     return [Path(s.curve).parent if s.matrix else Path(s.curve) for s in stages() if s.curve]
 
 
+def read_rows(params) -> tuple[list[MethodRow], dict[str, dict], dict[str, float | None]]:
+    """Every method's row from what the stages wrote (the methods in params, not stale files), each with its CPU
+    time to the report's target; the headlines read; the budget of each budgeted stage."""
+    methods = params.finetune.methods if params.finetune else []
+    names = stage_files(methods)
+    head = read_existing({n: METRICS_DIR / f"{n}.json" for n in names})
+    detail = read_existing({n: DETAILS_DIR / f"{n}.json" for n in names})
+    rows = collect_rows(row_inputs(params, head, detail))
+    for row in rows:
+        if row.curve is not None and Path(row.curve).exists():
+            row.to_target_cpu_s = time_to_target(*read_curve(Path(row.curve), x="cpu_s"), params.report.target_acc)
+    budgeted = {s.name for s in stages() if s.budgeted}   # rows of other stages repeat a budgeted stage's budget
+    budgets = {r.stage.split("@")[0]: r.budget_mib for r in rows if r.stage.split("@")[0] in budgeted}
+    return rows, head, budgets
+
+
+def draw(rows: list[MethodRow], budgets: dict[str, float | None], target: float, out: Path = REPORTS) -> list[Path]:
+    """The report's figures of ``rows`` in ``out`` (the Pareto plot, accuracy vs time, memory); their paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    shared = next(iter(set(budgets.values()))) if len(set(budgets.values())) == 1 else None
+    paths = [out / PARETO.name, out / PLOT.name]
+    plot_pareto(rows, paths[0], shared)
+    plot_accuracy_vs_time({r.method: Path(r.curve) for r in rows if r.plotted}, paths[1], target_acc=target)
+    if panels := memory_panels(**read_existing({"train_bp_memory": TRAIN_BP_MEMORY,
+                                                "train_blocks": DETAILS_DIR / "train_blocks.json"})):
+        paths.append(out / MEMORY_PLOT.name)
+        plot_bar_panels(panels, paths[-1], title="edgeflux pipeline: measured training memory")
+    return paths
+
+
 def main(args, params) -> None:
     if args.show:
         return show()
     from edgeflux.tracking import stage_run
 
     target = params.report.target_acc
-    methods = params.finetune.methods if params.finetune else []   # the methods in params, not stale files
     with stage_run("report", params.report.model_dump()) as run:
-        names = stage_files(methods)
-        head = read_existing({n: METRICS_DIR / f"{n}.json" for n in names})
-        detail = read_existing({n: DETAILS_DIR / f"{n}.json" for n in names})
+        rows, head, budgets = read_rows(params)
         # the parent run of this pipeline run gets every stage's headline, whichever stages reran
         run.log_pipeline_headline({name.replace("/", "@", 1): figures for name, figures in head.items()})
-        rows = collect_rows(row_inputs(params, head, detail))
-        for row in rows:
-            if row.curve is not None and Path(row.curve).exists():
-                row.to_target_cpu_s = time_to_target(*read_curve(Path(row.curve), x="cpu_s"), target)
-        budgeted = {s.name for s in stages() if s.budgeted}   # rows of other stages repeat a budgeted stage's budget
-        budgets = {r.stage.split("@")[0]: r.budget_mib for r in rows if r.stage.split("@")[0] in budgeted}
         REPORTS.mkdir(parents=True, exist_ok=True)
         SUMMARY.write_text(summary_markdown(rows, budgets, target) + _cloud_table(head.get("pretrain", {})))
         SUMMARY_JSON.write_text(json.dumps({"budgets_mib": budgets, "rows": rows_json(rows)}, indent=2) + "\n")
-        shared = next(iter(set(budgets.values()))) if len(set(budgets.values())) == 1 else None
-        plot_pareto(rows, PARETO, shared)
-        plot_accuracy_vs_time({r.method: Path(r.curve) for r in rows if r.plotted}, PLOT, target_acc=target)
-        if panels := memory_panels(**read_existing({"train_bp_memory": TRAIN_BP_MEMORY,
-                                                    "train_blocks": DETAILS_DIR / "train_blocks.json"})):
-            plot_bar_panels(panels, MEMORY_PLOT, title="edgeflux pipeline: measured training memory")
-        for path in (SUMMARY, SUMMARY_JSON, PARETO, PLOT, MEMORY_PLOT):
-            if path.exists():
-                run.log_artifact(path)
+        for path in (SUMMARY, SUMMARY_JSON, *draw(rows, budgets, target)):
+            run.log_artifact(path)
 
 
 def _cloud_table(pretrain: dict[str, dict]) -> str:

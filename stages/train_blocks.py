@@ -19,7 +19,7 @@ from edgeflux.neuroflux.profile import load_profile
 from edgeflux.neuroflux.worker import train_blocks
 from edgeflux.tracking import stage_run
 from edgeflux.train import resolve_device
-from edgeflux.rows import MethodRow, RowInputs, training_row
+from edgeflux.rows import NEUROFLUX_FULL, MethodRow, RowInputs, training_row, with_bittrain
 from stages.common import peak_rss_bytes, run_stage, stage_parser, write_history_csv, write_metrics
 from stages.registry import Stage
 
@@ -69,8 +69,7 @@ def main(args, params) -> None:
                    "best_val_acc": max(result.unit_val_acc), "unit_val_acc": result.unit_val_acc,
                    "unit_test_acc": result.unit_test_acc, "block_results": result.to_dict()["blocks"]}
         written = write_metrics("train_blocks", metrics, run)
-        write_history_csv(PLOT, [{k: r.get(k) for k in ("step", "epoch", "time_s", "cpu_s", "train_loss", "val_acc")}
-                                 for r in result.history])
+        write_history_csv(PLOT, result.history, with_bittrain(NEUROFLUX_FULL, p.bittrain.enabled))
         save_learners(MODEL, learners, spec, aux, meta={"stage": "train_blocks", "blocks": [b.to_dict() for b in blocks],
                                                        "unit_names": model.unit_names,
                                                        "unit_val_acc": result.unit_val_acc,
@@ -89,7 +88,7 @@ def summary_rows(inputs: RowInputs) -> list[MethodRow]:
     if "train_blocks" not in inputs.head:
         return []
     detail = inputs.detail["train_blocks"]
-    return [training_row("NeuroFlux, full model" + inputs.plus("neuroflux"), "train_blocks", "scratch", detail["model"],
+    return [training_row(NEUROFLUX_FULL + inputs.plus("neuroflux"), "train_blocks", "scratch", detail["model"],
                          inputs.head["train_blocks"], batch="/".join(map(str, detail["batch_sizes"])),
                          curve=STAGE.curve, plotted=True)]
 

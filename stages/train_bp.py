@@ -15,7 +15,7 @@ from edgeflux.backprop import train_under_budget
 from edgeflux.data import load_prepared, tensors
 from edgeflux.models import build_model
 from edgeflux.tracking import stage_run
-from edgeflux.rows import MethodRow, RowInputs, training_row
+from edgeflux.rows import MethodRow, RowInputs, training_row, with_bittrain
 from edgeflux.train import TrainRun, resolve_device
 from edgeflux.tricks.options import AUTO, BACKPROP, backprop_label, backprop_options
 from stages.common import peak_rss_bytes, run_stage, stage_parser, write_history_csv, write_metrics
@@ -50,7 +50,7 @@ def main(args, params) -> None:
                    "peak_rss_bytes": peak_rss_bytes()}
         written = write_metrics("train_bp", metrics, run)
         write_json(MEMORY, result.memory_report())
-        write_history_csv(PLOT, result.train.history)
+        write_history_csv(PLOT, result.train.history, method_label(metrics, p.bittrain.enabled))
         save_model(MODEL, model, build_args, meta={"stage": "train_bp", **metrics})
         run.log_history(result.train.history)
         for path in (*written, MEMORY, PLOT):
@@ -68,13 +68,16 @@ def choose_method(model, train, p, device, run) -> tuple[str, int | None]:
     return chosen.method, chosen.batch
 
 
+def method_label(detail: dict, bittrain: bool) -> str:
+    """The report's name of the run ``detail`` describes: its method, chosen by auto or not, with BitTrain."""
+    label = backprop_label(detail.get("method", BACKPROP)) + (" (auto)" if detail.get("auto") else "")
+    return with_bittrain(label, bittrain)
+
+
 def summary_rows(inputs: RowInputs) -> list[MethodRow]:
     if "train_bp" not in inputs.head:
         return []
-    detail = inputs.detail["train_bp"]
-    label = backprop_label(detail.get("method", BACKPROP)) + (" (auto)" if detail.get("auto") else "")
-    if inputs.plus("train_bp") and "BitTrain" not in label:
-        label += inputs.plus("train_bp")
+    label = method_label(inputs.detail["train_bp"], bool(inputs.plus("train_bp")))
     return [training_row(label, "train_bp", "scratch", inputs.detail["train_bp"]["model"],
                          inputs.head["train_bp"], curve=STAGE.curve, plotted=True)]
 

@@ -468,3 +468,15 @@ def test_accumulate_pairs_each_micro_batch_with_plain_backprop_by_seed(tmp_path)
     result = run_bench("accumulate", tmp_path, "--quick", "--threads", "1", timeout=300)
     assert result["n_seeds"] == 2 and {r["method"] for r in result["rows"]} == {"backprop", "accumulation"}
     assert all("test_acc_ci95" in r for r in result["rows"]) and (tmp_path / "accumulate.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow   # starts two MLflow servers and a Prefect server, about half a minute
+def test_servers_measures_each_server_tree_and_mlflow_without_its_job_runner_holds_less(tmp_path):
+    """bench.servers: MLflow started as pipeline.servers starts it (no job runner) runs fewer processes and holds
+    less unique memory than MLflow's default, each tree measured whole."""
+    result = run_bench("servers", tmp_path, "--quick", timeout=300)
+    rows = {r["server"]: r for r in result["rows"]}
+    on, off = rows["MLflow, job runner on (MLflow's default)"], rows["MLflow, job runner off (edgeflux)"]
+    assert off["processes"] < on["processes"] and off["uss_mib"] < on["uss_mib"]
+    assert all(0 < r["uss_mib"] <= r["rss_mib"] for r in rows.values())
+    assert (tmp_path / "servers.png").stat().st_size > 10_000

@@ -221,6 +221,22 @@ def test_an_unknown_stage_is_refused_before_params_change(dvc_project, capsys):
     assert (dvc_project / "params.yaml").read_text() == before
 
 
+def test_after_a_run_of_some_stages_a_summary_they_make_stale_is_named_not_shown(dvc_project, capsys):
+    stages = {**DVC_YAML["stages"], "report": {"cmd": "mkdir -p reports && cp target.txt reports/summary.md",
+                                               "deps": ["target.txt"], "outs": ["reports/summary.md"]}}
+    (dvc_project / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
+    rc, out, err = run_cli(capsys, "run", "--set", "report.target_acc=0.6", "report")   # target, then report
+    assert rc == 0 and "\n0.6 64MB" in out and "predates" not in out, err
+    rc, out, err = run_cli(capsys, "run", "--set", "report.target_acc=0.7", "target")
+    assert rc == 0, err
+    assert "reports/summary.md predates this run of target (stale: report), so it is not shown; `edgeflux run " \
+           "report` brings it up to date" in out and "0.6 64MB" not in out
+    rc, out, err = run_cli(capsys, "run", "report")
+    assert rc == 0 and "\n0.7 64MB" in out, err
+    rc, out, err = run_cli(capsys, "run", "other")   # nothing the report reads changed: the summary is current
+    assert rc == 0 and "\n0.7 64MB" in out and "predates" not in out, err
+
+
 def test_stage_names_are_the_ones_dvc_takes_with_matrix_instances_from_params():
     from pipeline.cli.run import stage_names
     params = yaml.safe_load((REPO / "params.yaml").read_text())
@@ -340,6 +356,42 @@ def test_compare_takes_finished_runs_unless_asked_and_status_names_the_last_fini
     assert re.search(r"last pipeline run: [^()]* FAILED \(.*\) last finished run: [^()]* FINISHED", " ".join(out.split()))
 
 
+def test_pipeline_runs_carry_their_params_and_compare_shows_what_differs(project, monkeypatch, capsys):
+    """Each pipeline run's parent holds params.yaml (flattened, and the file) and the overrides `edgeflux run`
+    applied; compare shows the budget, the params that differ, or the params asked for."""
+    from mlflow.tracking import MlflowClient
+
+    from edgeflux.tracking import EXPERIMENT, flatten, stage_run
+    for pid, budget in (("p1", "64MB"), ("p2", "16MB")):
+        set_params({"device.budget": budget}, project / "params.yaml")
+        monkeypatch.setenv("EDGEFLUX_PIPELINE_ID", pid)
+        monkeypatch.setenv("EDGEFLUX_OVERRIDES", json.dumps({"device.budget": budget}))
+        for stage in ("train_bp", "report"):   # two stages of one pipeline run: one parent, its params logged once
+            with stage_run(stage) as run:
+                run.log_headline({"test_acc": 0.8})
+        time.sleep(0.01)   # distinct start times: newest first
+    client = MlflowClient()
+    parent = client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id],
+                                "tags.`edgeflux.pipeline_id` = 'p2'")[0]
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    assert parent.data.params == {**{k: "" if v is None else str(v) for k, v in flatten(params).items()},
+                                  "edgeflux.overrides": '{"device.budget": "16MB"}'}
+    assert [a.path for a in client.list_artifacts(parent.info.run_id)] == ["params.yaml"]
+    capsys.readouterr()
+    rc, out, err = run_cli(capsys, "compare", "--json", "--no-plot")
+    data = json.loads(out)
+    assert rc == 0 and [r["budget"] for r in data["runs"]] == ["16MB", "64MB"], err
+    assert data["params"] == {"device.budget": ["16MB", "64MB"],
+                              "edgeflux.overrides": ['{"device.budget": "16MB"}', '{"device.budget": "64MB"}']}
+    rc, out, _ = run_cli(capsys, "compare", "--json", "--no-plot", "--params", "train_bp.l?")
+    assert json.loads(out)["params"] == {"train_bp.lr": [str(params["train_bp"]["lr"])] * 2}
+    rc, out, _ = run_cli(capsys, "compare", "--no-plot")
+    table = out.split("params that differ")[1]
+    assert rc == 0 and "device.budget" in table and table.index("16MB") < table.index("64MB")
+    rc, _, err = run_cli(capsys, "compare", "--params", "nothing.*")
+    assert rc == 2 and "--params nothing.*: no param of these runs matches; they carry " in err
+
+
 @pytest.mark.parametrize("argv, expected", [
     (["--metric", "["], "--metric '[': an unclosed [; patterns are shell-style"),
     (["--metric", "*.acc"], "--metric *.acc: no metric of these runs matches; they carry train_bp.batch, "
@@ -391,15 +443,17 @@ def test_compare_reads_pipeline_runs_from_an_mlflow_server(tmp_path, monkeypatch
         rc, out, _ = run_cli(capsys, "compare", "--tracking-uri", server.url, "--last", "1", "--metric", "*.batch",
                              "--no-plot", "--json")
         assert [r["metrics"] for r in json.loads(out)["runs"]] == [{"train_bp.batch": 64}]
+        monkeypatch.setenv("COLUMNS", "160")   # a 160-column terminal: every run, stage and figure whole
         rc, out, _ = run_cli(capsys, "compare", "--tracking-uri", server.url, "--no-plot")   # the tables
     assert rc == 0 and "#1" in out and "#2" in out and "laptop" in out and "bigger" in out
+    assert max(map(len, out.splitlines())) <= 160 and "finetune.mobiletl" in out and "160.2" in out
     tables = out.split("test_acc")[1]
     assert "train_bp" in tables and "0.86" in tables and tables.index("0.86") < tables.index("0.81")
 
 
 # --- report, and the forwarded commands --------------------------------------------------------------
 
-def test_report_prints_the_summary_and_opens_it_or_says_why_not(tmp_path, monkeypatch, capsys):
+def test_report_prints_the_summary_and_opens_it_or_prints_where_it_is(tmp_path, monkeypatch, capsys):
     import webbrowser
 
     monkeypatch.chdir(tmp_path)
@@ -411,20 +465,44 @@ def test_report_prints_the_summary_and_opens_it_or_says_why_not(tmp_path, monkey
     (bin_dir / "xdg-open").write_text(f"#!/bin/sh\necho \"$1\" >> {opened}\n")
     (bin_dir / "xdg-open").chmod(0o755)
     monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.setenv("DISPLAY", ":0")
     rc, out, _ = run_cli(capsys, "report", "--open")
     assert rc == 0 and "| method | acc |" in out
     assert opened.read_text().split() == ["reports/summary.md", "reports/accuracy_vs_time.png"]   # what exists
+    paths = [str(tmp_path / "reports/summary.md"), str(tmp_path / "reports/accuracy_vs_time.png")]
+
+    (bin_dir / "xdg-open").write_text("#!/bin/sh\necho 'xdg-open: no method available for opening' >&2\nexit 3\n")
+    rc, out, err = run_cli(capsys, "report", "--open")   # the opener fails: said, with where the files are
+    assert rc == 0 and "| method | acc |" in out and not err
+    assert "not opened: xdg-open could not open reports/summary.md: xdg-open: no method available" in out
+    assert out.split("the files are:\n")[1].split() == paths
+
+    monkeypatch.delenv("DISPLAY")   # a device over ssh: nothing is tried, the paths are printed
+    monkeypatch.delenv("WAYLAND_DISPLAY", raising=False)
+    rc, out, err = run_cli(capsys, "report", "--open")
+    assert rc == 0 and not err and "no display here (DISPLAY and WAYLAND_DISPLAY are unset)" in out
+    assert out.split("browse to this machine):\n")[1].split() == paths
 
     (bin_dir / "xdg-open").unlink()
+    monkeypatch.setenv("DISPLAY", ":0")
     monkeypatch.delenv("BROWSER", raising=False)
-    monkeypatch.delenv("DISPLAY", raising=False)
     monkeypatch.setattr(webbrowser, "_tryorder", None)   # look for browsers again, on this PATH
     rc, out, err = run_cli(capsys, "report", "--open")
-    assert rc == 2 and err.count("\n") == 1 and "no program to open files with" in err
+    assert rc == 0 and "not opened: no program to open files with" in out
 
     (tmp_path / "reports/summary.md").unlink()
     rc, _, err = run_cli(capsys, "report")
     assert rc != 0 and "reports/summary.md does not exist yet" in err
+
+
+def test_version_names_the_package_commit_torch_and_python(capsys):
+    import platform
+    from importlib.metadata import version
+
+    rc, out, _ = run_cli(capsys, "--version")
+    commit = sh("git rev-parse --short HEAD", REPO).stdout.strip()
+    assert rc == 0 and out.strip() == (f"edgeflux {version('edgeflux')} (commit {commit}, torch {version('torch')}, "
+                                       f"Python {platform.python_version()})")
 
 
 def test_worker_and_serve_cloud_pass_their_arguments_to_the_wrapped_commands(tmp_path):

@@ -30,6 +30,8 @@ from packaging.version import Version
 REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "docker"
 DOCKERFILES = sorted(DOCKER.glob("Dockerfile.*"))
+SERVERS_IMAGE = DOCKER / "Dockerfile.servers"   # the Prefect and MLflow servers of compose.yaml
+WORKERS = [p for p in DOCKERFILES if p != SERVERS_IMAGE]   # one per work pool
 COMPOSE = DOCKER / "compose.yaml"
 OUR_PACKAGES = ("edgeflux", "stages", "pipeline")
 DEVICE_ID = "dev-01"   # what `docker run -e EDGEFLUX_DEVICE_ID=...` gives a device's container
@@ -141,7 +143,7 @@ def by_name(paths):
 
 
 def test_there_is_an_image_per_pool():
-    assert {load(p).pool for p in DOCKERFILES} == set(real_pools())
+    assert {load(p).pool for p in WORKERS} == set(real_pools())
 
 
 # --- .dockerignore ----------------------------------------------------------------------------------------
@@ -231,6 +233,9 @@ def test_copy_sources_exist_in_the_build_context_and_are_not_dockerignored(path)
             shut_out = [str(f.relative_to(REPO)) for f in files if dockerignored(str(f.relative_to(REPO)), ignore)]
             assert not shut_out, f"{path.name}:{item.line}: .dockerignore excludes {shut_out[:5]}"
             copied.append(src.rstrip("/"))
+    if path == SERVERS_IMAGE:   # it reads pyproject's requirements, and installs no edgeflux
+        assert copied == ["pyproject.toml"]
+        return
     # what `pip install` of the copy needs: pyproject, its readme and every package it lists
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
     needed = {"pyproject.toml", project["project"]["readme"]} | {
@@ -278,17 +283,18 @@ def image_command(df: Dockerfile, env_extra: dict[str, str]) -> list[str]:
     return argv
 
 
-@by_name(DOCKERFILES)
+@by_name(WORKERS)
 def test_the_image_runs_a_real_worker_command_for_its_pool(path, monkeypatch):
     df = load(path)
     module, args = python_command(image_command(df, {"EDGEFLUX_DEVICE_ID": DEVICE_ID}))
     assert module == "pipeline.servers"
     parsed = parse_servers_args(args, monkeypatch)
     assert parsed.command == "worker" and parsed.pool == df.pool and parsed.pool in real_pools()
-    # the clone the worker runs flows in is the image's working directory and a volume
+    # the clone the worker runs flows in is the image's working directory, mounted by whoever runs it: a
+    # VOLUME would give every container without that mount an anonymous volume there, and pin the path
     (workdir,) = df.all("WORKDIR")
     assert parsed.clone == workdir.text == df.env["EDGEFLUX_CLONE"]
-    assert any(parsed.clone in words(v.text) for v in df.all("VOLUME"))
+    assert not df.all("VOLUME")
     assert parsed.device_id == DEVICE_ID   # from the container's environment
     if df.pool == "cloud":   # one cloud worker: the image names it
         assert parsed_id(image_command(df, {}), monkeypatch) == df.env["EDGEFLUX_DEVICE_ID"]
@@ -302,7 +308,7 @@ def parsed_id(argv: list[str], monkeypatch) -> str:
     return parse_servers_args(python_command(argv)[1], monkeypatch).device_id
 
 
-@by_name(DOCKERFILES)
+@by_name(WORKERS)
 def test_every_edgeflux_module_and_function_the_image_runs_exists(path):
     df = load(path)
     text = path.read_text()
@@ -327,6 +333,48 @@ def test_the_image_sets_the_offline_environment(path):
 
     env = load(path).env
     assert {k: env.get(k) for k in OFFLINE_ENV} == OFFLINE_ENV
+
+
+def _python_c(item: Instruction) -> str:
+    """The code of the first `python -c "..."` of a RUN, as the shell hands it to Python."""
+    return shlex.split(re.search(r'-c\s+("[^"]+")', item.text).group(1))[0]
+
+
+def requirements_code(df: Dockerfile) -> tuple[int, str]:
+    """(index of the RUN, its code) of the RUN that writes the requirements it installs from pyproject.toml."""
+    ((i, item),) = [(i, it) for i, it in enumerate(df.items) if it.name == "RUN" and "tomllib" in it.text]
+    return i, _python_c(item)
+
+
+def run_code(code: str, pyproject_at: str) -> list[str]:
+    code = code.replace(pyproject_at, str(REPO / "pyproject.toml"))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+
+
+@by_name(WORKERS)
+def test_dependencies_install_from_pyproject_before_the_source_is_copied(path):
+    """A code edit must not reinstall the dependencies: the layer that installs every requirement of
+    pyproject.toml comes before the source is copied, and edgeflux's own install then adds none."""
+    df = load(path)
+    first_source = min(i for i, it in enumerate(df.items) if it.name == "COPY"
+                       and set(words(it.text)[:-1]) & set(OUR_PACKAGES))
+    at, code = requirements_code(df)
+    assert at < first_source
+    assert {w for it in df.items[:at] if it.name == "COPY" for w in words(it.text)[:-1]} == {"pyproject.toml"}
+    wanted = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert [line for line in run_code(code, "/opt/edgeflux/pyproject.toml") if line] == wanted
+    assert "-r /tmp/requirements.txt" in df.items[at].text
+    installs = [it for it in df.items[first_source:] if it.name == "RUN" and "pip install" in it.text]
+    assert installs and all("--no-deps" in it.text and "/opt/edgeflux" in it.text for it in installs)
+
+
+def test_the_servers_image_holds_the_servers_packages_and_no_torch():
+    df = load(SERVERS_IMAGE)
+    _, code = requirements_code(df)
+    reqs = {r.name.lower(): r for r in map(Requirement, filter(None, run_code(code, "/tmp/pyproject.toml")))}
+    assert set(reqs) == {"prefect", "mlflow", "fastapi", "sqlalchemy"}   # the two servers and the pins they need
+    assert reqs["mlflow"].extras == {"auth"}   # compose's MLflow runs its basic-auth app
+    assert not re.search(r"\btorch", " ".join(i.text for i in df.all("RUN")))
 
 
 # --- torch versions -----------------------------------------------------------------------------------------
@@ -376,7 +424,7 @@ def test_the_torchvision_pairing_rule_holds_here():
     assert installed("torchvision").release[:2] == torchvision_for(installed("torch"))
 
 
-@by_name(DOCKERFILES)
+@by_name(WORKERS)
 def test_each_image_declares_a_torch_inside_the_range(path):
     df = load(path)
     declared = Version(df.labels["io.edgeflux.torch"])
@@ -443,9 +491,11 @@ def published(service: dict) -> set[int]:
 
 
 def test_compose_servers_run_the_commands_pipeline_servers_builds(services, tmp_path):
-    from pipeline.servers import MLflowServer, PrefectServer
+    from pipeline.servers import NO_JOBS, MLflowServer, PrefectServer
 
     prefect, mlflow = services["prefect"], services["mlflow"]
+    for service in (prefect, mlflow):   # the slim servers image, not the cloud worker's CUDA one
+        assert service["build"]["dockerfile"] == str(SERVERS_IMAGE.relative_to(REPO))
     expected = PrefectServer(tmp_path / "prefect", port=4200, host="0.0.0.0", password=PASSWORD)
     assert prefect["command"] == ["python", *expected.command()[1:]]
     auth = ("PREFECT_SERVER_API_AUTH_STRING", "PREFECT_API_AUTH_STRING")
@@ -459,6 +509,7 @@ def test_compose_servers_run_the_commands_pipeline_servers_builds(services, tmp_
     expected = MLflowServer(store, port=5000, host="0.0.0.0", password=PASSWORD,
                             allowed_hosts=command[command.index("--allowed-hosts") + 1])
     admin = ("MLFLOW_AUTH_ADMIN_USERNAME", "MLFLOW_AUTH_ADMIN_PASSWORD")
+    admin += tuple(NO_JOBS)   # no job runner, as pipeline.servers starts it
     assert {k: mlflow["environment"][k] for k in admin} == {k: expected.env[k] for k in admin}
     (state,) = mounts(mlflow)
     assert command == ["python", *(a.replace(str(store.resolve()), state) for a in expected.command()[1:])]

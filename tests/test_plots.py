@@ -50,8 +50,9 @@ def _stages() -> dict[str, dict]:
 
 
 def _declared_images() -> list[str]:
-    """Every .png a stage declares as a plot (DVC draws those as images)."""
-    return sorted(p for s in _stages().values() for p in _entries(s.get("plots")) if p.endswith(".png"))
+    """Every .png a stage or the top-level plots declare as a plot (DVC draws those as images)."""
+    stage = {p for s in _stages().values() for p in _entries(s.get("plots"))}
+    return sorted(p for p in stage | set(_entries(_dvc_yaml()["plots"])) if p.endswith(".png"))
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +86,7 @@ def test_every_declared_plot_is_on_the_page(page):
     index, html = page
     images = [p for p in _declared_images() if (ROOT / p).exists()]
     assert {"reports/memory.png", "reports/accuracy_vs_time.png", "plots/exits.png", "profile/memory.png",
-            "plots/meanet_sweep.png", "plots/finetune/mobiletl_tensors.png"} <= set(images)
+            "plots/meanet_sweep.png", "plots/finetune/elastic_tensors.png"} <= set(images)
     for path in images:
         assert f"<p>{path}</p>" in html, f"{path}: declared as a plot, not on the page"
     srcs = re.findall(r'<img src="([^"]+)"', html.split("</head>", 1)[1])
@@ -93,7 +94,7 @@ def test_every_declared_plot_is_on_the_page(page):
     for src in srcs:                       # images are copied beside the page and linked relatively
         assert not src.startswith(("http:", "https:", "/")) and (index.parent / src).stat().st_size > 5_000
     titles = {spec["title"]["text"] for spec in _specs(html)}
-    top = _entries(_dvc_yaml()["plots"])
+    top = {p: o for p, o in _entries(_dvc_yaml()["plots"]).items() if not p.endswith(".png")}
     stage_vega = {p: o for s in _stages().values() for p, o in _entries(s.get("plots")).items()
                   if not p.endswith(".png")}
     assert titles == {o["title"] for o in [*top.values(), *stage_vega.values()]}
@@ -114,9 +115,20 @@ def test_every_chart_is_titled_and_its_axes_named(page):
             assert axis and axis not in fields, f"{title}: axis titled by its column {axis!r}"
 
 
-def test_the_training_curves_share_one_chart_coloured_by_curve(page):
-    """Every training stage's CSV curve (a stage out under plots/) is a line of both top-level charts;
-    a finetune method added to params.yaml without its line here fails."""
+def test_only_elastictrainers_tensor_maps_are_drawn():
+    """A map of which tensors train in which epoch says something only where the selection changes
+    (ElasticTrainer); every method still writes its map (an out, logged to MLflow)."""
+    methods = yaml.safe_load((ROOT / "params.yaml").read_text())["finetune"]["methods"]
+    maps = {p for p in _declared_images() if p.endswith("_tensors.png")}
+    assert maps == {f"plots/finetune/{m}_tensors.png" for m in methods if m.startswith("elastic")}
+    outs = {p for s in _stages().values() for p in _entries(s.get("outs"))}
+    assert {f"plots/finetune/{m}_tensors.png" for m in methods} <= outs
+
+
+def test_the_training_curves_share_one_chart_coloured_by_method(page):
+    """Every training stage's CSV curve (a stage out under plots/) is a line of both top-level charts, its
+    legend entry the method's name (the report's), not the file's; a finetune method added to params.yaml
+    without its line here fails."""
     curves = sorted(p for s in _stages().values() for p in _entries(s.get("outs"))
                     if p.startswith("plots/") and p.endswith(".csv"))
     assert {"plots/train_bp.csv", "plots/train_blocks.csv", "plots/meanet_edge.csv"} <= set(curves)
@@ -127,9 +139,19 @@ def test_the_training_curves_share_one_chart_coloured_by_curve(page):
     _, html = page
     spec = next(s for s in _specs(html) if s["title"]["text"] == top["accuracy_vs_time"]["title"])
     colours = [layer["encoding"]["color"] for layer in spec["layer"] if "color" in layer.get("encoding", {})]
-    assert colours and all(c["field"] == "filename" for c in colours)
-    drawn = {row["filename"] for row in spec["data"]["values"]}      # DVC drops their common prefix
-    assert len(drawn) == sum((ROOT / c).exists() for c in curves)     # (a stage not run yet: no file)
+    assert colours and all(c["field"] == "method" and c["title"] == "method" for c in colours)
+    drawn = {row["method"] for row in spec["data"]["values"]}
+    written = [_method_of(ROOT / c) for c in curves if (ROOT / c).exists()]   # (a stage not run yet: no file)
+    assert drawn == set(written) and len(set(written)) == len(written)   # a method per curve, each its own
+    assert "backprop" in drawn and "NeuroFlux, full model" in drawn and not any(".csv" in m for m in drawn)
+
+
+def _method_of(curve: Path) -> str:
+    import csv
+
+    with curve.open() as f:
+        (method,) = {row["method"] for row in csv.DictReader(f)}
+    return method
 
 
 def test_the_template_dvc_reads_is_the_committed_offline_page():

@@ -26,12 +26,13 @@ def plot_selections(names: Sequence[str], masks: Sequence[Sequence[bool]], path:
     import numpy as np
 
     grid = np.array([[1.0 if m else 0.0 for m in mask] for mask in masks]).T   # tensors x epochs
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.0 + 0.5 * len(masks)), max(3.0, min(12.0, 0.08 * len(names) + 2))))
+    # wide enough for the title's two lines at any epoch count (a narrow map clipped it)
+    fig, ax = plt.subplots(figsize=(max(5.5, 1.0 + 0.5 * len(masks)), max(3.0, min(12.0, 0.08 * len(names) + 2))))
     ax.imshow(grid, aspect="auto", cmap="Greens", vmin=0, vmax=1, interpolation="nearest", origin="lower")
     ax.set_xlabel("epoch")
     ax.set_ylabel("tensor (execution order, 0 = nearest the input)")
     ax.set_xticks(range(len(masks)))
-    ax.set_title(f"{title}: {sum(map(sum, masks))} tensor-epochs trained of {grid.size}", fontsize=9)
+    ax.set_title(f"{title}\n{sum(map(sum, masks))} tensor-epochs trained of {grid.size}", fontsize=9, wrap=True)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

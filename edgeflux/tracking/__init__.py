@@ -8,7 +8,8 @@ per job:
   this package;
 - ``experiment``: the experiment, created with its artifacts next to the store, or moved aside when its store
   was copied or moved;
-- ``parents``: the pipeline id every stage of one pipeline run shares, its parent run, fleet metrics;
+- ``parents``: the pipeline id every stage of one pipeline run shares, its parent run (with the params the
+  pipeline ran with), fleet metrics;
 - ``stage``: what a stage logs (``StageRun``);
 - ``lifecycle``: opening and closing a stage's run (``stage_run``), runs a killed process left open;
 - ``models``: models in MLflow's format, and in its model registry.
@@ -30,8 +31,8 @@ from .experiment import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, resolve_experiment
 from .lifecycle import TrackingStoreError, _alive, _process_tags, close_orphaned_runs, stage_run  # noqa: E402
 from .models import ModelDirError, check_model_dir, save_model_dir  # noqa: E402
 from .parents import (DVC_EXP_TAG, HEADLINE, LAUNCHER_TAGS, PIPELINE_KEY_TAG, dvc_experiment,  # noqa: E402
-                      fleet_metrics, pipeline_id)
-from .stage import StageRun, flatten, metric_name  # noqa: E402
+                      flatten, fleet_metrics, pipeline_id)
+from .stage import StageRun, metric_name  # noqa: E402
 from .store import (ARTIFACTS_DIR, EXPERIMENT, PROXIED_SCHEME, artifacts_root, repo_root,  # noqa: E402
                     tracking_uri, ui_command, ui_url)
 

@@ -12,15 +12,22 @@ the launcher's flow, device, fleet run and preset as tags, and the preset in its
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
 import subprocess
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import psutil
+import yaml
+from mlflow.entities import Param
 from mlflow.tracking import MlflowClient
+
+from edgeflux.presets import OVERRIDES_ENV
 
 from .store import EXPERIMENT, tracking_uri
 
@@ -29,6 +36,55 @@ DVC_EXP_TAG = "edgeflux.dvc_exp"
 LAUNCHER_TAGS = {"EDGEFLUX_FLOW": "edgeflux.flow", "EDGEFLUX_DEVICE_ID": "edgeflux.device",
                  "EDGEFLUX_FLEET_ID": "edgeflux.fleet_id", "EDGEFLUX_PRESET": "edgeflux.preset"}
 HEADLINE = re.compile(r"(^|[._])(test_acc|val_acc|acc|peak_\w*bytes|train_time_s)$")
+PARAMS_FILE = Path("params.yaml")   # in the directory DVC runs the stages in: the workspace's, or an experiment's
+PRESET_PARAM, OVERRIDES_PARAM = "edgeflux.preset", "edgeflux.overrides"
+PARAM_CHARS = 6000   # the longest param value MLflow stores (mlflow.utils.validation); a longer one is cut
+
+
+def flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'model': {'name': 'vgg11'}} -> {'model.name': 'vgg11'}; lists become JSON strings."""
+    flat: dict[str, Any] = {}
+    for key, value in params.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, prefix=f"{name}."))
+        elif isinstance(value, (list, tuple)):
+            flat[name] = json.dumps(value)
+        else:
+            flat[name] = value
+    return flat
+
+
+def pipeline_params(path: Path = PARAMS_FILE) -> dict[str, str]:
+    """What a pipeline run ran with, as its parent run's params, so that MLflow's compare view says why two
+    pipeline runs differ: params.yaml flattened (every stage's section, ``train_bp.lr``, and the ``device``
+    section the budgeted stages inherit, ``device.budget``), the preset (``edgeflux.preset``) and the overrides
+    `edgeflux run` applied (``edgeflux.overrides``, JSON; they are in params.yaml's values too)."""
+    try:
+        params = yaml.safe_load(path.read_text()) if path.is_file() else {}
+    except (OSError, yaml.YAMLError):   # the stage that reads it says what is wrong
+        params = {}
+    flat = {k: _param_text(v) for k, v in flatten(params if isinstance(params, dict) else {}).items()}
+    if preset := os.environ.get("EDGEFLUX_PRESET"):
+        flat[PRESET_PARAM] = preset
+    if overrides := os.environ.get(OVERRIDES_ENV):
+        flat[OVERRIDES_PARAM] = _param_text(overrides)
+    return flat
+
+
+def _param_text(value: Any) -> str:
+    text = "" if value is None else str(value)
+    return text if len(text) <= PARAM_CHARS else text[:PARAM_CHARS - 1] + "…"
+
+
+def log_pipeline_params(client: MlflowClient, run_id: str, path: Path = PARAMS_FILE) -> None:
+    """pipeline_params() on the parent run (MLflow takes at most 100 params a call), and params.yaml itself as
+    its artifact."""
+    items = [Param(k, v) for k, v in pipeline_params(path).items()]
+    for start in range(0, len(items), 100):
+        client.log_batch(run_id, params=items[start:start + 100])
+    if path.is_file():
+        client.log_artifact(run_id, str(path))
 
 
 def pipeline_id() -> str:
@@ -101,7 +157,9 @@ def parent_run(client: MlflowClient, experiment_id: str, pid: str) -> str:
             **_dvc_tags()}
     if commit := git_commit():
         tags["mlflow.source.git.commit"] = commit
-    return client.create_run(experiment_id, run_name=_parent_run_name(), tags=tags).info.run_id
+    run_id = client.create_run(experiment_id, run_name=_parent_run_name(), tags=tags).info.run_id
+    log_pipeline_params(client, run_id)   # once: every stage of one pipeline run reads the same params.yaml
+    return run_id
 
 
 def fleet_metrics(fleet_id: str, uri: str | None = None) -> dict[str, dict[str, float]]:

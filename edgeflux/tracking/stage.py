@@ -2,7 +2,6 @@
 ``<stage>.<metric>``, so that the parent runs, one per pipeline run, compare in MLflow's views."""
 from __future__ import annotations
 
-import json
 import logging
 import numbers
 import re
@@ -16,23 +15,9 @@ from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
 from .models import log_model, log_onnx_model
-from .parents import PIPELINE_KEY_TAG
+from .parents import PIPELINE_KEY_TAG, flatten
 
 log = logging.getLogger(__name__)
-
-
-def flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{'model': {'name': 'vgg11'}} -> {'model.name': 'vgg11'}; lists become JSON strings."""
-    flat: dict[str, Any] = {}
-    for key, value in params.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            flat.update(flatten(value, prefix=f"{name}."))
-        elif isinstance(value, (list, tuple)):
-            flat[name] = json.dumps(value)
-        else:
-            flat[name] = value
-    return flat
 
 
 def metric_name(name: str) -> str:

@@ -17,7 +17,9 @@ servers, worker, serve-cloud), what they share in common.py. docs/cli.md has mor
 """
 from __future__ import annotations
 
+import argparse
 import sys
+from pathlib import Path
 
 from edgeflux.errors import UserError
 
@@ -30,7 +32,7 @@ from .report import add_report
 from .run import BUDGET_KEY, add_run
 from .status import add_status
 
-__all__ = ["BUDGET_KEY", "Parser", "UsageError", "build_parser", "main"]
+__all__ = ["BUDGET_KEY", "Parser", "UsageError", "build_parser", "main", "version_line"]
 
 TOP_EXAMPLES = """\
 examples:
@@ -49,10 +51,47 @@ examples:
 """
 
 
+def version_line() -> str:
+    """``edgeflux 0.1.0 (commit 1a2b3c4, torch 2.14.1, Python 3.11.7)``: what a bug report needs, without importing
+    torch (its installed version is read from its metadata)."""
+    import platform
+    import subprocess
+    from importlib.metadata import PackageNotFoundError, version
+
+    from edgeflux import __version__
+
+    parts = []
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).resolve().parents[2])
+        if done.returncode == 0 and done.stdout.strip():
+            parts.append(f"commit {done.stdout.strip()}")
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    try:
+        parts.append(f"torch {version('torch')}")
+    except PackageNotFoundError:
+        parts.append("torch not installed")
+    parts.append(f"Python {platform.python_version()}")
+    return f"edgeflux {__version__} ({', '.join(parts)})"
+
+
+class _Version(argparse.Action):
+    """--version: computed when asked for, so --help stays quick."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="print the version (and commit, torch, Python) and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_line())
+        parser.exit()
+
+
 def build_parser() -> Parser:
     parser = Parser(prog="edgeflux", formatter_class=RAW, epilog=TOP_EXAMPLES,
                     description=wrap("Train CNNs on edge devices under a memory budget: the pipeline (DVC), "
                                      "its runs (MLflow), its servers and workers (Prefect)."))
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_run(sub)
     add_status(sub)

@@ -10,6 +10,7 @@ from pathlib import Path
 from .common import RAW, UsageError, local_time, mlflow_client, run_info, store_missing, tracking_uri_flag, wrap
 
 DEFAULT_METRICS = ("*.test_acc", "*.peak_mib", "*.train_cpu_s")
+BUDGET_PARAM = "device.budget"   # the budget every budgeted stage inherits (a parent run's params: params.yaml)
 
 
 def pipeline_runs(uri: str, last: int, include_failed: bool = False) -> list:
@@ -34,12 +35,26 @@ def split_metric(key: str) -> tuple[str, str]:
     return stage or "(pipeline)", name
 
 
-def compare_data(runs: list, patterns: list[str]) -> dict:
-    """The runs, each with the metrics that match a pattern, and by metric name {name: {stage: [value per run]}}."""
+def params_table(runs: list, patterns: list[str] | None) -> dict[str, list[str | None]]:
+    """{param: [its value per run]} of the runs' params (a parent run's: params.yaml flattened, the preset, the
+    overrides) that match a pattern; with no pattern, those whose values differ between the runs (why they
+    differ). None where a run has no such param."""
+    keys = sorted({k for run in runs for k in run.data.params})
+    if patterns:
+        keys = [k for k in keys if any(fnmatch.fnmatchcase(k, p) for p in patterns)]
+    else:
+        keys = [k for k in keys if len({run.data.params.get(k) for run in runs}) > 1]
+    return {k: [run.data.params.get(k) for run in runs] for k in keys}
+
+
+def compare_data(runs: list, patterns: list[str], param_patterns: list[str] | None = None) -> dict:
+    """The runs, each with its budget and the metrics that match a pattern; by metric name {name: {stage: [value
+    per run]}}; and the params table (params_table)."""
     keys = sorted({k for run in runs for k in run.data.metrics if any(fnmatch.fnmatchcase(k, p) for p in patterns)})
-    out = {"runs": [], "metrics": keys, "table": {}}
+    out = {"runs": [], "metrics": keys, "table": {}, "params": params_table(runs, param_patterns)}
     for run in runs:
-        out["runs"].append(run_info(run) | {"metrics": {k: run.data.metrics[k] for k in keys
+        out["runs"].append(run_info(run) | {"budget": run.data.params.get(BUDGET_PARAM),
+                                            "metrics": {k: run.data.metrics[k] for k in keys
                                                         if k in run.data.metrics}})
     for key in keys:
         stage, name = split_metric(key)
@@ -61,12 +76,20 @@ def print_compare(data: dict) -> None:
 
     console = Console()
     runs = Table(title="Pipeline runs (MLflow), newest first", title_justify="left")
-    for column in ("#", "run", "started", "status", "preset", "DVC exp"):
+    for column in ("#", "run", "started", "status", "preset", "budget", "DVC exp"):
         runs.add_column(column, overflow="fold")
     for i, run in enumerate(data["runs"], 1):
         runs.add_row(str(i), run["name"], local_time(run["start_time"]), run["status"],
-                     run["preset"] or "-", run["dvc_exp"] or "-")
+                     run["preset"] or "-", run["budget"] or "-", run["dvc_exp"] or "-")
     console.print(runs)
+    if data["params"]:
+        params = Table(title="params" if data["param_patterns"] else "params that differ", title_justify="left")
+        params.add_column("param", overflow="fold")
+        for i in range(len(data["runs"])):
+            params.add_column(f"#{i + 1}", overflow="fold")
+        for key, values in data["params"].items():
+            params.add_row(key, *(v if v is not None else "-" for v in values))
+        console.print(params)
     for name, stages in data["table"].items():
         table = Table(title=name, title_justify="left")
         table.add_column("stage")
@@ -113,20 +136,29 @@ def plot_compare(data: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def check_patterns(patterns: list[str]) -> None:
-    """fnmatch reads an unclosed [ as a literal character, which no metric name holds: say so instead."""
+def check_patterns(patterns: list[str], flag: str = "--metric") -> None:
+    """fnmatch reads an unclosed [ as a literal character, which no metric or param name holds: say so instead."""
     for pattern in patterns:
         if re.search(r"\[(?![^\]]*\])", pattern):
-            raise UsageError(f"--metric {pattern!r}: an unclosed [; patterns are shell-style: * any text, "
+            raise UsageError(f"{flag} {pattern!r}: an unclosed [; patterns are shell-style: * any text, "
                              "? one character, [abc] one of, e.g. '*.test_acc'")
 
 
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+
+
 def check_matched(runs: list, data: dict) -> None:
-    """A pattern that matches none of the metrics the runs carry is a mistake to name, not an empty table."""
+    """A pattern that matches none of the metrics (params) the runs carry is a mistake to name, not an empty
+    table."""
     carried = sorted({k for run in runs for k in run.data.metrics})
     if carried and not data["table"]:
-        shown = ", ".join(carried[:8]) + (", ..." if len(carried) > 8 else "")
-        raise UsageError(f"--metric {' '.join(data['patterns'])}: no metric of these runs matches; they carry {shown}")
+        raise UsageError(f"--metric {' '.join(data['patterns'])}: no metric of these runs matches; they carry "
+                         f"{_some(carried)}")
+    params = sorted({k for run in runs for k in run.data.params})
+    if params and data["param_patterns"] and not data["params"]:
+        raise UsageError(f"--params {' '.join(data['param_patterns'])}: no param of these runs matches; they carry "
+                         f"{_some(params)}")
 
 
 def write_plot(data: dict, path: Path) -> None:
@@ -144,9 +176,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise UsageError(f"--last {args.last}: give 1 or more runs")
     patterns = args.metric or list(DEFAULT_METRICS)
     check_patterns(patterns)
+    check_patterns(args.params or [], "--params")
     uri = args.tracking_uri or tracking_uri()
     runs = pipeline_runs(uri, args.last, args.include_failed)
-    data = compare_data(runs, patterns) | {"tracking_uri": uri, "patterns": patterns, "plot": None}
+    data = compare_data(runs, patterns, args.params) | {"tracking_uri": uri, "patterns": patterns,
+                                                        "param_patterns": args.params, "plot": None}
     check_matched(runs, data)
     if data["table"] and not args.no_plot:
         write_plot(data, Path(args.plot))
@@ -166,21 +200,26 @@ COMPARE_EXAMPLES = """\
 examples:
   edgeflux compare                               # the last 5 pipeline runs; reports/compare.png
   edgeflux compare --last 2 --metric '*.test_acc' --metric 'finetune.*.peak_mib'
+  edgeflux compare --last 2 --params 'train_bp.*' --params device.budget   # these params (default: those that differ)
   edgeflux compare --tracking-uri http://cloud:5000 --json > runs.json
 """
 
 
 def add_compare(sub) -> None:
     p = sub.add_parser("compare", help="recent pipeline runs side by side (MLflow), and a plot",
-                       description=wrap("The newest pipeline (parent) runs in MLflow with their preset, DVC "
-                                        "experiment and each stage's headline metrics (<stage>.<name>): one table "
-                                        "per metric, a row per stage, a column per run."),
+                       description=wrap("The newest pipeline (parent) runs in MLflow with their preset, budget, DVC "
+                                        "experiment, the params that differ between them (params.yaml, flattened) "
+                                        "and each stage's headline metrics (<stage>.<name>): one table per metric, "
+                                        "a row per stage, a column per run."),
                        epilog=COMPARE_EXAMPLES, formatter_class=RAW)
     p.add_argument("--last", type=int, default=5, metavar="N",
                    help="how many runs, newest first (default: %(default)s)")
     p.add_argument("--metric", action="append", metavar="PATTERN",
                    help="metrics to show, shell-style pattern on <stage>.<name> (repeatable; default: "
                         + " ".join(DEFAULT_METRICS) + ")")
+    p.add_argument("--params", action="append", metavar="PATTERN",
+                   help="params to show, shell-style pattern on the flattened name, e.g. 'train_bp.*' (repeatable; "
+                        "default: the params whose values differ between the runs)")
     p.add_argument("--plot", default="reports/compare.png", metavar="PATH",
                    help="where the comparison plot goes (default: %(default)s)")
     p.add_argument("--no-plot", action="store_true", help="write no plot")

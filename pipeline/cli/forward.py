@@ -54,17 +54,12 @@ def forward_cloud(argv: list[str]) -> int:
 
 
 SERVERS_EXAMPLES = """\
-The Prefect server and the MLflow tracking server for the cloud host and its devices, until Ctrl-C
-(python -m pipeline.servers cloud).
-
 examples:
   edgeflux servers                               # on loopback: Prefect :4200, MLflow :5000
   edgeflux servers --host 0.0.0.0 --public-host cloud.lan --init-auth --deploy
                                                  # for devices: a password (made once), deployments created
 """
 WORKER_EXAMPLES = """\
-A Prefect process worker in this clone that runs the pool's flow runs (python -m pipeline.servers worker).
-
 examples:
   edgeflux worker --pool pi --device-id pi-01 --api-url http://cloud.lan:4200/api \\
       --tracking-uri http://cloud.lan:5000

@@ -35,22 +35,46 @@ def opener() -> Callable[[Path], None]:
     return lambda path: browser.open(path.resolve().as_uri())
 
 
+def display_missing() -> str | None:
+    """Why nothing here could show a file, or None: a Linux or BSD machine without a graphical session (neither
+    DISPLAY nor WAYLAND_DISPLAY set: a device reached over ssh, a container), where xdg-open fails or a
+    text-mode browser would take over the terminal."""
+    if sys.platform in ("win32", "darwin") or os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"):
+        return None
+    return ("no display here (DISPLAY and WAYLAND_DISPLAY are unset): open these where there is one (copy them, "
+            "or serve them with `python -m http.server -d reports` and browse to this machine)")
+
+
+def print_paths(paths: list[Path], why: str) -> None:
+    print(f"{why}:")
+    for path in paths:
+        print(f"  {path.resolve()}")
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from stages.report import MEMORY_PLOT, PLOT, SUMMARY, show
 
     show()   # exits with its own error when there is no summary yet
-    if args.open:
+    if not args.open:
+        return 0
+    paths = [path for path in (SUMMARY, PLOT, MEMORY_PLOT) if path.exists()]
+    if why := display_missing():
+        print_paths(paths, why)
+        return 0
+    try:
         open_file = opener()
-        for path in (SUMMARY, PLOT, MEMORY_PLOT):
-            if path.exists():
-                open_file(path)
+        for path in paths:
+            open_file(path)
+    except UsageError as exc:   # the summary is printed: a file that would not open is said, with where it is
+        print_paths(paths, f"not opened: {exc}; the files are")
     return 0
 
 
 REPORT_EXAMPLES = """\
 examples:
   edgeflux report                                # print reports/summary.md
-  edgeflux report --open                         # and open it and its plots (xdg-open / open / a browser)
+  edgeflux report --open                         # and open it and its plots (xdg-open / open / a browser;
+                                                 # with no display, their paths)
 """
 
 
@@ -58,5 +82,5 @@ def add_report(sub) -> None:
     p = sub.add_parser("report", help="print the pipeline's summary (reports/summary.md)",
                        description=wrap("Print reports/summary.md, written by the report stage."),
                        epilog=REPORT_EXAMPLES, formatter_class=RAW)
-    p.add_argument("--open", action="store_true", help="also open it and its plots with the platform's opener")
+    p.add_argument("--open", action="store_true", help="also open it and its plots with the platform's opener (with no display: print their paths)")
     p.set_defaults(func=cmd_report)

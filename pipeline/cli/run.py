@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from edgeflux.presets import Preset, available, load_preset, merge, set_params
+from edgeflux.presets import OVERRIDES_ENV, Preset, available, load_preset, merge, set_params
 
 from .common import RAW, UsageError, wrap
 
@@ -154,11 +154,29 @@ def call(command: list[str], env: dict[str, str]) -> int:
     return 128 - rc if rc < 0 else rc
 
 
-def show_summary(args: argparse.Namespace) -> None:
+def report_stale(env: dict[str, str]) -> list[str] | None:
+    """The stages whose changes reports/summary.md lacks (`dvc status report`: the report stage and what it reads
+    that is not up to date), [] when it is up to date, None when DVC cannot say."""
+    try:
+        done = subprocess.run(["dvc", "status", "--json", "report"], capture_output=True, text=True, env=env,
+                              timeout=300)
+        return sorted(json.loads(done.stdout or "{}")) if done.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, json.JSONDecodeError):
+        return None
+
+
+def show_summary(args: argparse.Namespace, env: dict[str, str]) -> None:
     if args.exp and args.temp:   # the results are in the experiment, not in this workspace
         print(f"experiment {args.exp}: `dvc exp show`, `edgeflux compare`; `dvc exp apply {args.exp}` brings it here")
         return
-    if Path("reports/summary.md").exists():   # a run of other stages only may have written none yet
+    if not Path("reports/summary.md").exists():   # a run of other stages only may have written none yet
+        print("no summary yet: `edgeflux run` (every stage) writes reports/summary.md")
+    elif args.targets and "report" not in args.targets and (stale := report_stale(env)):
+        ran = ", ".join(args.targets)
+        print(f"reports/summary.md predates this run of {ran} (stale: {', '.join(stale)}), so it is not shown; "
+              f"`edgeflux run report` brings it up to date (running every stale stage it reads). This run's "
+              f"figures: `dvc metrics show`, MLflow.")
+    else:
         from stages.report import show
 
         show()
@@ -250,14 +268,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         set_params(overrides, PARAMS)
     from edgeflux.environ import venv_env   # offline, the venv's dvc and python first on PATH
 
-    rc = 1
+    # the overrides also go to the pipeline's MLflow parent run, beside params.yaml (edgeflux.tracking.parents)
+    rc, tool_env = 1, venv_env({**env, **({OVERRIDES_ENV: json.dumps(overrides)} if overrides else {})})
     try:
-        rc = call(command, venv_env(env))
+        rc = call(command, tool_env)
     finally:   # a refused or failed run leaves params.yaml as it found it
         if rc != 0 and not args.exp:
             _restore(original)
     if rc == 0:
-        show_summary(args)
+        show_summary(args, tool_env)
     return rc
 
 

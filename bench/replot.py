@@ -1,0 +1,117 @@
+"""Draw the benchmarks' committed figures again from their committed JSON, with the plotting code as it is
+now: after a change to a figure's code (or to edgeflux.colours), without rerunning the measurements.
+
+Each figure here is drawn from bench/results/<name>.json alone; tests/test_figures.py draws every one and
+checks the mechanical rules (edgeflux.figcheck). Figures whose data the JSON does not hold (ElasticTrainer's
+per-model curves and selections, BitTrain's panels, MEANet's sweeps, the GPU runs) are drawn only by their
+benchmark.
+
+    python -m bench.replot                     # every figure below, into bench/results/
+    python -m bench.replot budget mobiletl --out /tmp/figs
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from bench.common import RESULTS_DIR
+
+
+def _budget(d: dict, out: Path) -> None:
+    from bench.budget import plot
+    plot(d["rows"], out / "budget.png", d["settings"]["target_acc"])
+
+
+def _accumulate(d: dict, out: Path) -> None:
+    from bench.accumulate import plot
+    plot(d["rows"], out / "accumulate.png")
+
+
+def _mobiletl(d: dict, out: Path) -> None:
+    from bench.mobiletl import plot
+    plot(d["rows"], out / "mobiletl.png", d["settings"]["blocks"], d["settings"]["block_size"])
+
+
+def _neuroflux(d: dict, out: Path) -> None:
+    from bench.neuroflux import plot, plot_exits
+    settings = d["settings"][0] if isinstance(d["settings"], list) else d["settings"]
+    plot(d["rows"], out / "neuroflux.png", settings["target_acc"])
+    plot_exits(d["rows"], out / "neuroflux_exits.png")
+
+
+def _pipeline(d: dict, out: Path) -> None:
+    from bench.pipeline import plot
+    plot(d, d["stages"], out / "pipeline.png")
+
+
+def _servers(d: dict, out: Path) -> None:
+    from bench.servers import plot
+    plot(d["rows"], out / "servers.png")
+
+
+def _plan(d: dict, out: Path) -> None:
+    from bench.plan import plot
+    plot(d["rows"], out / "plan.png")
+
+
+def _realistic(d: dict, out: Path) -> None:
+    from bench.realistic import plot
+    plot(d["rows"], out / "realistic.png")
+
+
+def _memory_baseline(d: dict, out: Path) -> None:
+    from bench.memory_baseline import plot
+    plot(d["rows"], d["fits"], out / "memory_baseline.png")
+
+
+def _batch_throughput(d: dict, out: Path) -> None:
+    from bench.batch_throughput import plot
+    plot(d["rows"], out / "batch_throughput.png", tuple(d["settings"]["batches"]), d["machine"].get("device", "cpu"))
+
+
+def _tricks(d: dict, out: Path) -> None:
+    from bench.tricks import plot
+    plot(d["rows"], d["sections"][0]["rows"], out / "tricks.png")
+
+
+def _meanet(d: dict, out: Path) -> None:
+    from bench.meanet import plot_summary
+    plot_summary(d["rows"], out / "meanet.png")
+
+
+FIGURES: dict[str, Callable[[dict, Path], None]] = {
+    "accumulate": _accumulate, "batch_throughput": _batch_throughput, "budget": _budget, "meanet": _meanet,
+    "memory_baseline": _memory_baseline, "mobiletl": _mobiletl, "neuroflux": _neuroflux, "pipeline": _pipeline,
+    "plan": _plan, "realistic": _realistic, "servers": _servers, "tricks": _tricks,
+}
+
+
+def replot(names: list[str], results: Path = RESULTS_DIR, out: Path = RESULTS_DIR) -> list[str]:
+    """Draw the figures of ``names`` (bench/results/<name>.json each) into ``out``; the names drawn (a benchmark
+    not run yet, without its JSON, is skipped)."""
+    out.mkdir(parents=True, exist_ok=True)
+    drawn = []
+    for name in names:
+        path = results / f"{name}.json"
+        if path.exists():
+            FIGURES[name](json.loads(path.read_text()), out)
+            drawn.append(name)
+    return drawn
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", metavar="NAME",
+                        help=f"benchmarks whose figures to draw (default: all of {', '.join(FIGURES)})")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the figures go")
+    args = parser.parse_args(argv)
+    if unknown := [n for n in args.names if n not in FIGURES]:
+        parser.error(f"no figure to draw again for {', '.join(unknown)}: choose from {', '.join(FIGURES)}")
+    drawn = replot(args.names or list(FIGURES), out=args.out)
+    print(f"drew {', '.join(drawn)} into {args.out}")
+
+
+if __name__ == "__main__":
+    main()
