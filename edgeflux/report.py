@@ -50,7 +50,10 @@ def plot_accuracy_vs_time(curves: dict[str, Curve], out: Path, target_acc: float
     fig, ax = plt.subplots(figsize=(8, 5))
     for label, curve in curves.items():
         if (points := _points(curve)) is not None:
-            ax.plot(*points, marker="o", markersize=3, label=label, color=method_colour(label))
+            # a composition dashed: its curve may lie on its method's (MobileTL + BitTrain trains as MobileTL)
+            dashed = " + " in label or " on " in label
+            ax.plot(*points, marker="o", markersize=3, label=label, color=method_colour(label),
+                    linestyle="--" if dashed else "-")
     if target_acc is not None:
         ax.axhline(target_acc, color="grey", linestyle="--", linewidth=1, label=f"target {target_acc:.0%}")
     ax.set(xlabel="training CPU time (s, every thread; the wall clock stretches on a loaded machine)",
