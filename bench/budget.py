@@ -343,6 +343,7 @@ def plot(rows: list[dict], path: Path, target: float) -> None:
                        hatch="//" if r.get("machine") != machines[0] else None,
                        yerr=[[r["time_to_target_s"] - lo], [hi - r["time_to_target_s"]]], capsize=3)
         ax.set_xticks(range(len(fracs)), [f"{f:.1%} of backprop's\nbatch-{REFERENCE_BATCH} peak" for f in fracs])
+        ax.set_xlim(-0.5, len(fracs) - 0.5)   # every method's slot, marks of the methods without a bar too
         ax.set(title=model, ylabel=f"seconds to {target:.0%} test accuracy (mean, 95% CI)")
         ax.grid(axis="y", alpha=0.3)
     handles = [plt.Rectangle((0, 0), 1, 1, color=METHOD_COLOURS[METHODS[m]]) for m in methods]
