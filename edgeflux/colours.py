@@ -46,12 +46,19 @@ def _mix(colour: str, towards: str, amount: float) -> str:
     return "#" + "".join(f"{round(c + (target - c) * amount):02x}" for c in rgb)
 
 
-def method_colour(label: str) -> str:
-    """The colour of the method labelled ``label`` (see the module docstring)."""
+def known_method(label: str) -> str | None:
+    """The METHOD_COLOURS entry ``label`` is, or is a composition of ("MobileTL + BitTrain": "MobileTL"), or None."""
     base = _base(label)
     if base in METHOD_COLOURS:
+        return base
+    return max((k for k in METHOD_COLOURS if base.startswith((k + " + ", k + " on "))), key=len, default=None)
+
+
+def method_colour(label: str) -> str:
+    """The colour of the method labelled ``label`` (see the module docstring)."""
+    base, known = _base(label), known_method(label)
+    if known == base:
         return METHOD_COLOURS[base]
-    known = max((k for k in METHOD_COLOURS if base.startswith((k + " + ", k + " on "))), key=len, default=None)
     if known is not None:
         towards, amount = SHADES[zlib.crc32(base[len(known):].encode()) % len(SHADES)]
         return _mix(METHOD_COLOURS[known], towards, amount)

@@ -15,7 +15,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 
-from edgeflux.colours import METHOD_COLOURS, _base, method_colour
+from edgeflux.colours import known_method, method_colour
 
 OVERLAP = 0.15   # texts overlap when they share more than this share of the smaller one's box
 
@@ -63,12 +63,6 @@ def _texts_overlap(a, box_a, b, box_b, renderer) -> bool:
     return along < (wa + wb) / 2 and across < (1 - OVERLAP) * (ha + hb) / 2
 
 
-def is_method(label: str) -> bool:
-    """Whether ``label`` names a method edgeflux.colours knows (or a composition of one)."""
-    base = _base(label)
-    return base in METHOD_COLOURS or any(base.startswith((k + " + ", k + " on ")) for k in METHOD_COLOURS)
-
-
 def _handle_colour(handle) -> str | None:
     from matplotlib.colors import to_hex
 
@@ -89,7 +83,7 @@ def _legend_problems(fig, renderer) -> list[str]:
     for legend in legends:
         for handle, text in zip(legend.legend_handles, legend.get_texts()):
             label, colour = text.get_text(), _handle_colour(handle)
-            if is_method(label) and colour and colour != method_colour(label):
+            if known_method(label) and colour and colour != method_colour(label):
                 found.append(f"legend entry {label!r} is {colour}, the method's colour is {method_colour(label)}")
         box = legend.get_window_extent(renderer)
         for ax in fig.axes:
