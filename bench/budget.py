@@ -33,6 +33,7 @@ import argparse
 import logging
 import time
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -223,7 +224,7 @@ def budget_rows(name: str, splits: dict, args) -> Iterator[list[dict]]:
                 if not r["feasible"]:
                     break   # the budget, not the seed, decides
             rows.append(summary(model, method, budget, frac, runs))
-            rows[-1].update(reference_bytes=reference)
+            rows[-1].update(reference_bytes=reference, run=args.run)
             print(f"  {METHODS[method]}: {_cell(rows[-1])}", flush=True)
         yield mark_auto(rows)
 
@@ -259,10 +260,19 @@ def _cell(row: dict) -> str:
 def verdicts(rows: list[dict]) -> list[dict]:
     """Per model and budget: the fastest method to the target, NeuroFlux's time, what method: auto chose and its
     time to target (its plan included) as a ratio, paired by seed, of the fastest method's and of the fastest
-    among those auto chooses from (the backprop methods), and whether the ratio's 95% interval lies within 10%."""
+    among those auto chooses from (the backprop methods), and whether the ratio's 95% interval lies within 10%.
+    Times compare only within one run: two VMs of the same processor model differed by up to 1.5x in samples/s,
+    so a model and budget whose timed rows come from several runs is not judged."""
     out = []
     for key in dict.fromkeys((r["model"], r["budget_bytes"]) for r in rows):
         group = [r for r in rows if (r["model"], r["budget_bytes"]) == key]
+        runs = {r.get("run") for r in group if r.get("time_to_target_s") is not None}
+        if len(runs) > 1:
+            out.append({"model": key[0], "budget_bytes": key[1], "budget_frac": group[0]["budget_frac"],
+                        "fastest": f"not judged: timed in {len(runs)} runs", "auto": _choice(next(
+                            (r for r in group if r["method"] == "auto"), None)),
+                        **_auto_ratio(None, None, ""), **_auto_ratio(None, None, "_backprop")})
+            continue
         best = _fastest([r for r in group if r["method"] != "auto"])
         best_full = _fastest([r for r in group if r["method"] in BACKPROP_METHODS])
         nf = next((r for r in group if r["method"] == "neuroflux"), None)
@@ -380,7 +390,9 @@ def write(rows: list[dict], args, notes: str, measured_by: dict | None = None) -
            "to target": _cell(r).split(" to target")[0] if r["feasible"] else _cell(r),
            "reached": r.get("reached", ""), "CPU s": f"{r['cpu_to_target_s']:.1f}" if r.get("cpu_to_target_s") else "",
            "test acc": fmt_ci(r["test_acc_ci"]) if r["feasible"] else "",
-           **({"machine": r.get("machine", "")} if len({r.get("machine") for r in rows}) > 1 else {})} for r in rows]
+           **({"machine": r.get("machine", "")} if len({r.get("machine") for r in rows}) > 1 else {}),
+           **({"run": (r.get("run") or "").replace("T", " ")} if len({r.get("run") for r in rows}) > 1 else {})}
+          for r in rows]
     result.write(NAME, args.out, title=f"Time to {args.target_acc:.0%} test accuracy under a memory budget",
                  md_rows=md, notes=notes, measured_by=measured_by,
                  extra={"verdicts": judged, "settings": {k: str(v) if isinstance(v, Path) else v
@@ -392,9 +404,10 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.combine:
         parts, rows, measured_by = read_parts(args.combine)
-        for part in parts:   # each row keeps the processor it ran on: times compare on one machine only
+        for part in parts:   # each row keeps the processor and the run it was measured in
             for r in part["rows"]:
                 r.setdefault("machine", part["machine"]["cpu"])
+                r.setdefault("run", part["machine"]["date"][:16])
         args.target_acc = parts[0]["settings"]["target_acc"]
         notes = " | ".join(f"`{part['command']}`: {part['notes']}" for part in parts)
         rows = mark_auto(rows)   # a row measured again replaces the earlier one
@@ -405,6 +418,7 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     splits = default_splits(args)
+    args.run = datetime.now(timezone.utc).isoformat(timespec="minutes")   # which rows were measured together
     started, rows, total = time.perf_counter(), [], len(args.models) * len(args.fractions)
     for name in args.models:
         for budget in budget_rows(name, splits, args):   # written after every budget: a stopped run keeps them

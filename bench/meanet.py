@@ -12,14 +12,15 @@ are genuinely hard. For each CNN (CIFAR-style ResNet-18, MobileNetV2; CPU-sized 
 * Table II (hard-class test accuracy: the main block over all classes vs the extension exit over the hard
   ones), Table III (all-class accuracy: main vs MEANet routed on the edge; easy/hard detection), Table VI
   (fixed vs trained parameters and multiply-adds);
-* the threshold sweep with the real cloud: a larger CNN trained on the source half, saved in MLflow's format,
-  served by ``mlflow models serve`` on loopback (edgeflux.meanet.server.ModelServer) and asked over HTTP
+* the threshold sweep with the real cloud: bench.meanet_cloud's CNN (a full-width ResNet-18 trained on the
+  source half, on a GPU, passed as --cloud-dir; else trained here), saved in MLflow's format, served by ``mlflow models serve`` on loopback (edgeflux.meanet.server.ModelServer) and asked over HTTP
   (edgeflux.meanet.cloud.CloudClient): accuracy, share answered by the cloud, edge energy and latency per
   threshold (Table I's model: edge time and round trip measured here, upload and edge power modelled).
 
 Tables IV-V (ResNet-18 model A, as the paper): hard vs random class selection and several n_hard.
 
-    python -m bench.meanet --threads 2                  # full run, results in bench/results/ (about 20 min here)
+    python -m bench.meanet_cloud --device cuda --out runs/cloud       # on a GPU machine: the cloud, 3 seeds
+    python -m bench.meanet --threads 2 --cloud-dir runs/cloud         # full run, results in bench/results/
     python -m bench.meanet --quick --out /tmp/bench     # CI-sized: ResNet-18 B only, small data, 3 thresholds
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pathlib import Path
 import torch
 from rich.logging import RichHandler
 
+from bench import meanet_cloud
 from bench.common import BenchResult, HelpFormatter, bench_argparser
 from edgeflux.backprop import train_under_budget
 from edgeflux.data import load_raw, prepare, tensors
@@ -53,9 +55,8 @@ from edgeflux.train import MemoryOptions, TrainOptions, TrainRun, evaluate
 NAME = "meanet"
 log = logging.getLogger("bench.meanet")
 MODELS = {"resnet18": 0.25, "mobilenet_v2": 0.5}           # main-block CNNs at CPU-sized widths
-CLOUD = ("resnet18", 0.5)                                  # the cloud's larger CNN
 HARD_TARGET, CLOUD_TOLERANCE, CLOUD_SHARE, MEMORY_RATIO = 0.04, 0.01, 0.30, 0.50
-QUICK = dict(models=["resnet18"], variants=["B"], pretrain_samples=1024, pretrain_epochs=1, cloud_epochs=1, cloud_model_epochs=1,
+QUICK = dict(models=["resnet18"], variants=["B"], pretrain_samples=1024, pretrain_epochs=1, cloud_epochs=1,
              train_samples=1024, eval_samples=256, test_samples=256, edge_epochs=1, sweep=3, n_hards=[])
 
 
@@ -72,7 +73,10 @@ def parse_args(argv=None):
     parser.add_argument("--pretrain-samples", type=int, default=None, help="source images (default: all 27,000)")
     parser.add_argument("--pretrain-epochs", type=int, default=2, help="the main CNN's pre-training epochs")
     parser.add_argument("--cloud-epochs", type=int, default=1, help="model A: the main block's joint training epochs")
-    parser.add_argument("--cloud-model-epochs", type=int, default=2, help="epochs of the cloud's CNN")
+    parser.add_argument("--cloud-dir", type=Path, default=None,
+                        help="clouds trained by bench.meanet_cloud (on a GPU): serve its cloud_seed0.pt; default: "
+                             "train bench.meanet_cloud's CNN here for --cloud-model-epochs")
+    parser.add_argument("--cloud-model-epochs", type=int, default=2, help="without --cloud-dir: the cloud's epochs")
     parser.add_argument("--train-samples", type=int, default=None, help="target images the edge sees (hard ones train)")
     parser.add_argument("--eval-samples", type=int, default=None, help="validation images (default: all)")
     parser.add_argument("--test-samples", type=int, default=None, help="test images (default: all 10,000)")
@@ -186,12 +190,19 @@ def class_selection(pretrained, args, data: dict) -> list[dict]:
     return rows
 
 
-def cloud_model(args, data: dict, directory: Path) -> float:
-    """Train the cloud's CNN, save it in MLflow's format for the server; its test accuracy."""
-    name, width = CLOUD
-    model = pretrain(name, width, args.cloud_model_epochs, data).eval()
+def cloud_model(args, data: dict, directory: Path) -> dict:
+    """The cloud's CNN (bench.meanet_cloud's: from --cloud-dir, else trained here on the source half with its
+    recipe), saved in MLflow's format for the server; its build arguments and target test accuracy."""
+    path = args.cloud_dir / "cloud_seed0.pt" if args.cloud_dir else None
+    if path is None:
+        flags = ["--quick"] if args.quick else ["--epochs", str(args.cloud_model_epochs)]
+        cloud_args = meanet_cloud.parse_args([*flags, "--device", "cpu", "--out", str(directory.parent)])
+        splits = {"train": data["source"]["train"], "val": data["source"]["val"], "test": data["target"]["test"]}
+        path = directory.parent / meanet_cloud.train_cloud(cloud_args, splits, 0, directory.parent)["file"]
+    model = meanet_cloud.load_cloud(path)
     save_model_dir(model, directory, data["target"]["test"][0][:2])
-    return evaluate(model, *data["target"]["test"])
+    return {**model.spec, "from": str(args.cloud_dir or "trained here"),
+            "test_acc": evaluate(model, *data["target"]["test"])}
 
 
 def plot_summary(rows: list[dict], out: Path) -> None:
@@ -269,7 +280,8 @@ def main(argv=None) -> None:
     start, data = time.perf_counter(), load(args)
     rows, selection = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        cloud_acc = cloud_model(args, data, Path(tmp) / "cloud")
+        cloud = cloud_model(args, data, Path(tmp) / "cloud")
+        cloud_acc = cloud["test_acc"]
         with ModelServer(Path(tmp) / "cloud", log_path=Path(tmp) / "server.log") as server, \
                 CloudClient(server.url) as client:
             for name in args.models:
@@ -279,7 +291,7 @@ def main(argv=None) -> None:
                 if name == "resnet18" and "A" in args.variants and not args.quick:
                     selection = class_selection(pretrained, args, data)
     extra = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-             "cloud_model": {"name": CLOUD[0], "width": CLOUD[1], "test_acc": cloud_acc},
+             "cloud_model": cloud,
              "wall_s": time.perf_counter() - start}
     write(BenchResult(), rows, selection, args, extra)
     log.info("wrote %s in %.0fs", args.out / f"{NAME}.json", time.perf_counter() - start)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -230,8 +231,25 @@ def test_elastic_quick_compares_elastic_with_the_baselines(tmp_path):
 
 @pytest.mark.slow   # a benchmark script end to end, tens of seconds
 def test_meanet_quick_trains_the_edge_and_routes_through_the_real_cloud(tmp_path):
-    result = run_bench("meanet", tmp_path, "--quick", "--threads", "1")
+    """bench.meanet_cloud trains and saves the cloud (its fp16 weights score what it reports); bench.meanet serves
+    that cloud (--cloud-dir) over HTTP and routes the edge's hard instances to it."""
+    import argparse
+
+    from bench.meanet_cloud import load_cloud, load_splits
+    from edgeflux.train import evaluate
+    clouds = tmp_path / "clouds"
+    cloud = run_bench("meanet_cloud", clouds, "--quick", "--threads", "1", "--device", "cpu")
+    [made] = cloud["rows"]
+    assert cloud["n_seeds"] == 1 and made["seed"] == 0 and made["params"] > 0
+    model = load_cloud(clouds / made["file"])
+    assert next(model.parameters()).dtype == torch.float32 and not model.training
+    test = load_splits(argparse.Namespace(train_samples=1, test_samples=256))["test"]
+    assert abs(evaluate(model, *test) - made["test_acc"]) <= 2 / 256   # the fp16 weights score what the run reported
+
+    result = run_bench("meanet", tmp_path, "--quick", "--threads", "1", "--cloud-dir", str(clouds))
     [row] = result["rows"]
+    assert result["cloud_model"]["from"] == str(clouds) and result["cloud_model"]["width"] == model.spec["width"]
+    assert abs(row["cloud_acc"] - made["test_acc"]) <= 2 / 256   # the served cloud is the one trained, on the same test
     assert {"model", "variant", "hard_acc_main", "hard_acc_meanet", "all_acc_main", "all_acc_meanet", "cloud_acc",
             "edge_train_peak_bytes", "joint_train_peak_bytes", "sweep"} <= set(row)
     assert (row["model"], row["variant"]) == ("resnet18", "B")
@@ -450,6 +468,11 @@ def test_budget_verdicts_pair_auto_with_the_fastest_by_seed():
     kept = mark_auto([row(b, [2.0]), row(a, [1.0], auto=True)])
     assert [(r["method"], r["auto"]) for r in kept] == [(a, False), (b, False)]
     assert verdicts(kept)[0]["auto"] == "auto not run"
+    # times from two runs (two VMs) are not compared: no fastest, no ratio
+    [v] = verdicts([{**row(a, [10.0, 11.0, 12.0], auto=True), "run": "x"},
+                    {**row("auto", [10.1, 11.1, 12.1], chose=[a] * 3), "run": "y"}])
+    assert v["fastest"] == "not judged: timed in 2 runs" and v["auto_ratio"] is None and v["auto_within_10pct"] is None
+    assert v["auto"] == "backprop"
 
 
 def test_accumulate_pairs_each_micro_batch_with_plain_backprop_by_seed(tmp_path):

@@ -57,6 +57,38 @@ def test_auxnet_layout():
     assert one(torch.randn(1, 16, 1, 1)).shape == (1, 10)
 
 
+def test_auxnet_on_a_1x1_map_is_its_3x3_convs_centre_tap():
+    """On a 1x1 map a padded 3x3 conv is its centre tap: the 1x1 conv computes the same logits and input
+    gradients from the same seed, with 1/9 of the conv's weights."""
+    torch.manual_seed(0)
+    one = AuxNet((16, 1, 1), filters=8, num_classes=10)
+    torch.manual_seed(0)
+    ref = torch.nn.Conv2d(16, 8, kernel_size=3, padding=1, bias=True)   # what AuxNet built before
+    linear = torch.nn.Linear(8, 10)
+    assert one.net[0].kernel_size == (1, 1) and one.net[0].padding == (0, 0)
+    assert torch.equal(one.net[-1].weight, linear.weight)   # the later layers' draws are unchanged
+    x = torch.randn(4, 16, 1, 1, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    out = one(x)
+    expected = linear(torch.relu(ref(x_ref)).flatten(1))
+    torch.testing.assert_close(out, expected)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    torch.testing.assert_close(one.net[0].weight.grad, ref.weight.grad[:, :, 1:2, 1:2])
+    assert ref.weight.grad[:, :, 0].abs().sum() == 0   # the other taps never learn anything
+    assert count_params(one.net[0]) == 16 * 8 + 8
+
+
+def test_vgg16s_last_conv_unit_at_32px_gets_the_1x1_aux_conv():
+    """VGG-16 at 32 px: conv13 (after the fifth max-pool) outputs a 1x1 map, so its auxiliary conv is 1x1; the
+    units before it (2x2 maps and larger) keep the paper's 3x3."""
+    learners = local_learners(build_model("vgg16", 10, 1, width=0.25, image_size=32, seed=0), seed=0)
+    kernels = {lr.name: lr.aux.net[0].kernel_size for lr in learners[:-1]}
+    assert kernels["conv13"] == (1, 1) and kernels["conv12"] == (3, 3)
+    assert count_params(learners[-2].aux) == 128 * 64 + 64 + 64 * 10 + 10
+
+
 # ----------------------------------------------------------------------------- learners
 
 @pytest.mark.parametrize("name", ["vgg16", "resnet18", "mobilenet_v2"])

@@ -75,9 +75,10 @@ def test_a_batch_hint_is_confirmed_in_three_measurements_or_searched_as_without_
     assert fit.min_feasible_bytes == searched.min_feasible_bytes and memory.peak_bytes <= 12_000_000
 
 
-def _row(method: str, per_s: float | None, feasible: bool = True, full: bool = True, need: int | None = None):
-    return PlanRow(method, method, feasible, 8 if feasible else None, 8, 1 if feasible else None, need, per_s,
-                   1.0, 10, "-", full)
+def _row(method: str, per_s: float | None, feasible: bool = True, full: bool = True, need: int | None = None,
+         update: int = 8):
+    return PlanRow(method, method, feasible, 8 if feasible else None, update if feasible else None,
+                   1 if feasible else None, need, per_s, 1.0, 10, "-", full)
 
 
 def test_auto_is_the_fastest_full_method_and_the_simplest_within_timing_noise():
@@ -86,6 +87,10 @@ def test_auto_is_the_fastest_full_method_and_the_simplest_within_timing_noise():
     assert fastest(rows).method == "backprop-fused_step"            # 30% faster: chosen; ft_bias trains less
     rows[2] = _row("backprop-fused_step", 104)
     assert fastest(rows).method == "backprop"                        # all within 5%: the plain one
+    rows.append(_row("backprop-accumulate", 100, update=32))
+    assert fastest(rows).method == "backprop-accumulate"             # as fast, and updates on the configured batch
+    rows[-1] = _row("backprop-accumulate", 90, update=32)
+    assert fastest(rows).method == "backprop"                        # 10% slower: not as fast
     with pytest.raises(NoFeasibleMethodError, match=r"smallest budget any fits is 2\.0MiB: raise device.budget to "
                                                     r"it, or train block by block with NeuroFlux"):
         fastest([_row("backprop", None, feasible=False, need=2_000_000), _row("ft_bias", 500, full=False)])

@@ -76,7 +76,8 @@ class AuxNet(nn.Module):
     classic LL (and NeuroFlux) builds on. The conv has no bias because BatchNorm follows it
     (except on a 1x1 map, which has no BatchNorm: see below).
     The pool output is `pool` x `pool`, clamped to the map's own size: pooling a 1x1 map up to
-    2x2 would only copy values and quadruple the Linear's weights.
+    2x2 would only copy values and quadruple the Linear's weights. For the same reason the conv on a
+    1x1 map is the 1x1 conv its 3x3 one reduces to (see _centre_tap).
 
     Vector (C,) (a unit that already flattened its output): a single Linear(C, num_classes).
     """
@@ -98,8 +99,9 @@ class AuxNet(nn.Module):
             # batch 1 (PyTorch raises), which the profiler and tight budgets do use. Such a map
             # gets a conv with a bias and no BatchNorm.
             norm = h * w > 1
+            conv = nn.Conv2d(c, filters, kernel_size=3, padding=1, bias=not norm)
             self.net = nn.Sequential(
-                nn.Conv2d(c, filters, kernel_size=3, padding=1, bias=not norm),
+                conv if norm else _centre_tap(conv),
                 nn.BatchNorm2d(filters) if norm else nn.Identity(),
                 nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d((ph, pw)), nn.Flatten(1),
                 nn.Linear(filters * ph * pw, num_classes))
@@ -110,6 +112,21 @@ class AuxNet(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
+
+
+def _centre_tap(conv: nn.Conv2d) -> nn.Conv2d:
+    """The 1x1 conv a padded 3x3 ``conv`` is on a 1x1 map: its other eight taps only ever meet the zero padding,
+    so they change neither the output nor any gradient, yet their weights, gradients and optimizer state cost
+    8/9 of the conv's memory (VGG's last conv unit at 32 px, after the fifth max-pool, outputs a 1x1 map).
+    The 3x3 weights are drawn first and their centre kept, so the auxiliary net computes what the 3x3 one would
+    from the same seed, and the random draws of every later layer are unchanged."""
+    one = nn.utils.skip_init(nn.Conv2d, conv.in_channels, conv.out_channels, kernel_size=1,
+                             bias=conv.bias is not None, device=conv.weight.device, dtype=conv.weight.dtype)
+    with torch.no_grad():
+        one.weight.copy_(conv.weight[:, :, 1:2, 1:2])
+        if conv.bias is not None:
+            one.bias.copy_(conv.bias)
+    return one
 
 
 class LocalLearner(nn.Module):

@@ -132,9 +132,12 @@ def plan_training(model: nn.Module, train: tuple, opts, candidates=None, steps: 
 
 
 def fastest(rows: list[PlanRow]) -> PlanRow:
-    """The feasible candidate that trains every parameter fastest (what method: auto runs): of those within NOISE
-    of the fastest samples/s, the one with the fewest modifiers (a few timed steps cannot tell them apart, and
-    each modifier trades something)."""
+    """The feasible candidate that trains every parameter fastest (what method: auto runs). A few timed steps
+    cannot tell apart candidates within NOISE of the fastest samples/s; of those, the one with the largest update
+    (samples_per_update: accumulation's effective batch), then the fewest modifiers (each trades something). The
+    update comes first because equal samples/s is not equal time to accuracy: where the budget squeezes the batch
+    below the configured one, an update on the configured batch (accumulating back to it) is the optimisation the
+    params describe; bench/results/budget.md measures what that choice gains and costs per model."""
     feasible = [r for r in rows if r.feasible and r.full and math.isfinite(r.samples_per_s or float("nan"))]
     if not feasible:
         smallest = min((r.min_budget_bytes for r in rows if r.full and r.min_budget_bytes), default=None)
@@ -146,7 +149,7 @@ def fastest(rows: list[PlanRow]) -> PlanRow:
             if smallest else f"; {other}"))
     top = max(r.samples_per_s for r in feasible)
     near = [r for r in feasible if r.samples_per_s >= (1 - NOISE) * top]
-    return min(near, key=lambda r: (r.method.count("-"), -r.samples_per_s))
+    return min(near, key=lambda r: (-(r.samples_per_update or 0), r.method.count("-"), -r.samples_per_s))
 
 
 def auto_method(rows: list[PlanRow], budget_bytes: int, run) -> PlanRow:
