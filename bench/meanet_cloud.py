@@ -2,7 +2,7 @@
 
 The paper's cloud is a ResNet-101 on a GPU server, well above its edge models; a cloud barely stronger than the
 edge makes "edge-cloud within 1 point of cloud-only" hold trivially and never tests what sending buys. Here the
-cloud is a full-width ResNet-18 (CIFAR-style, 1 channel, 32 px: about 11 M parameters, 45x the edge's ResNet-18
+cloud is a full-width ResNet-18 (CIFAR-style, 1 channel, 32 px: about 11 M parameters, 16x the edge's ResNet-18
 w0.25) trained on every class of the source half of Fashion-MNIST (the split bench.meanet and the pipeline give
 the cloud) with the one training loop: SGD with momentum and weight decay, a cosine learning rate, random crops
 and flips. Each seed's weights are saved for bench.meanet's --cloud-dir, which serves them over HTTP as its cloud.
