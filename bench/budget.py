@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -332,10 +333,13 @@ def plot(rows: list[dict], path: Path, target: float) -> None:
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = plt.subplots(1, len(models), figsize=(max(9, 6 * len(models)), 5.5), squeeze=False)
     methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
-    machines = list(dict.fromkeys(r.get("machine") for r in rows))   # rows of merged runs name theirs
+    hatched = False
     for ax, model in zip(axes[0], models):
         fracs = sorted({r["budget_frac"] for r in rows if r["model"] == model}, reverse=True)
         width = 0.8 / len(methods)
+        # a budget's bars compare when one run timed them: one timed in another run than most is hatched
+        runs = {f: (Counter(r.get("run") for r in rows if (r["model"], r["budget_frac"]) == (model, f)
+                            and r["time_to_target_s"] is not None).most_common(1) or [(None, 0)])[0][0] for f in fracs}
         for k, method in enumerate(methods):
             for i, frac in enumerate(fracs):
                 r = next((r for r in rows if (r["model"], r["method"], r["budget_frac"]) == (model, method, frac)),
@@ -348,9 +352,11 @@ def plot(rows: list[dict], path: Path, target: float) -> None:
                             color=METHOD_COLOURS[METHODS[method]], fontsize=9)
                     continue
                 lo, hi = r["ci95_s"] or (r["time_to_target_s"],) * 2
+                other_run = r.get("run") != runs[frac]
+                hatched |= other_run
                 ax.bar(x, r["time_to_target_s"], width, color=METHOD_COLOURS[METHODS[method]],
                        edgecolor="black" if r["auto"] else "none", linewidth=1.5,
-                       hatch="//" if r.get("machine") != machines[0] else None,
+                       hatch="//" if other_run else None,
                        yerr=[[r["time_to_target_s"] - lo], [hi - r["time_to_target_s"]]], capsize=3)
         ax.set_xticks(range(len(fracs)), [f"{f:.1%} of backprop's\nbatch-{REFERENCE_BATCH} peak" for f in fracs])
         ax.set_xlim(-0.5, len(fracs) - 0.5)   # every method's slot, marks of the methods without a bar too
@@ -360,8 +366,8 @@ def plot(rows: list[dict], path: Path, target: float) -> None:
     handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black", linewidth=1.5))
     fig.legend(handles, [METHODS[m] for m in methods] + ["method: auto's choice"], loc="upper center",
                ncol=4, frameon=False, fontsize=9)
-    other = f"\nhatched: measured on another machine ({', '.join(map(str, machines[1:]))}): compare within a " \
-            "budget only" if len(machines) > 1 else ""
+    other = "\nhatched: timed in another run than the budget's other bars (not compared with them: wall clocks of " \
+            "two runs differ)" if hatched else ""
     fig.text(0.5, 0.01, "x: cannot train at this budget;  -: not every seed reached the target in the time limit"
              + other, ha="center", fontsize=9)
     fig.tight_layout(rect=(0, 0.07 if other else 0.04, 1, 0.92))

@@ -226,3 +226,41 @@ def fmt_ci(ci: dict, unit: str = "", digits: int = 3) -> str:
     text = f"{ci['mean']:.{digits}g}{unit}"
     return text + (f" [{ci['lo']:.{digits}g}, {ci['hi']:.{digits}g}]" if ci["lo"] is not None else "") + \
         f" (n={ci['n']})"
+
+
+def add_seeds(parser: argparse.ArgumentParser, what: str = "weights, data order") -> None:
+    """The --seeds flag: committed results are the mean and 95% interval over three."""
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help=f"seeds ({what}), one run each")
+
+
+def over_seeds(rows: list[dict], by: Sequence[str], metrics: Sequence[str]) -> list[dict]:
+    """One row per `by` group of per-seed rows (each with "seed"): every metric's mean over the group, its 95%
+    half-width beside it as <metric>_ci95 (None with one seed), n_seeds and seeds; other fields the first seed's."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(tuple(row[k] for k in by), []).append(row)
+    out = []
+    for group in groups.values():
+        row = {k: v for k, v in group[0].items() if k != "seed"}
+        for metric in metrics:
+            ci = mean_ci([r[metric] for r in group])
+            row[metric], row[f"{metric}_ci95"] = ci["mean"], None if ci["hi"] is None else ci["hi"] - ci["mean"]
+        out.append({**row, "n_seeds": len(group), "seeds": [r["seed"] for r in group]})
+    return out
+
+
+def judged(values: list[float], at_least: float) -> tuple[str, dict]:
+    """Whether the values' mean is at least `at_least`, by its 95% interval: "met" when the whole interval is,
+    "not met" when none of it is, "not shown" when it spans the target, "not judged" with one value."""
+    ci = mean_ci(values)
+    if ci["lo"] is None:
+        return "not judged (one seed)", ci
+    return ("met" if ci["lo"] >= at_least else "not met" if ci["hi"] < at_least else "not shown"), ci
+
+
+def pm(row: dict, key: str, scale: float = 1.0, digits: int = 4) -> str:
+    """A markdown cell of an over_seeds row: the mean, and ± its 95% half-width where there is one."""
+    value, half = row.get(key), row.get(f"{key}_ci95")
+    if value is None:
+        return ""
+    return f"{scale * value:.{digits}g}" + ("" if half is None else f" ± {scale * half:.{digits}g}")

@@ -64,13 +64,14 @@ NAME = "mobiletl"
 log = logging.getLogger("bench.mobiletl")
 
 ROW_KEYS = ("case", "model", "method", "blocks", "bittrain", "batch", "peak_bytes", "saved_bytes", "flops",
-            "train_params", "test_acc", "step_time_s")
+            "train_params", "test_acc", "step_time_s", "saved_reduction", "saved_reduction_paper")
 MODELS = ("mobilenet_v2", "mobilenet_v3_small", "mobilenet_v3_large")
 PAPER_METHODS = ("ft_all", "ft_last", "ft_bn", "ft_bias", "ft_blocks", "mobiletl")   # MobileTL's Table 3 and itself
 BLOCKS = ("conv_block", "mbv2_irb", "mbv3_irb")
 BLOCK_CHANNELS = 96
 SOURCE_CLASSES = [0, 1, 2, 3, 4]          # Fashion-MNIST: source 0-4, target 5-9
-IRB_TARGETS = {"mbv2_irb": 0.463, "mbv3_irb": 0.533}   # the paper's saved-activation reductions per IRB
+IRB_TARGETS = {"mbv2_irb": 0.463, "mbv3_irb": 0.533}   # the paper's saved-activation reductions per IRB (1 decimal)
+RELU6_NODE = "HardtanhBackward0"   # ReLU6's backward: PyTorch saves its 32-bit input; the paper's Table 2 counts 2 bits
 ACC_TOLERANCE = 0.005                     # MobileTL within 0.5 point of FT-kBLKs
 LATENCY_TARGET = 1.8                      # FT-All step latency / MobileTL's
 QUICK_NOTE = ("--quick: 512 images and 1 epoch are too few for the target classes to be learnt (the accuracies are "
@@ -214,7 +215,28 @@ def block_rows(args, progress: Progress) -> tuple[list[dict], list[dict]]:
                                 "saved_dense_bytes": (mem.activation_storage or {}).get("total", {}).get("dense_bytes"),
                                 "input_shape": [b, BLOCK_CHANNELS, s, s]})
                 progress.advance(task)
-    return rows, details
+    return add_reductions(rows, details), details
+
+
+def paper_saved_bytes(saved_bytes: int, by_node: dict[str, int]) -> int:
+    """A block's saved bytes as MobileTL's Table 2 counts them: each ReLU6 keeps a 2-bit mask of its input where
+    PyTorch keeps the input itself (4 bytes an element). Hard-Swish is counted at 32 bits by both."""
+    relu6 = by_node.get(RELU6_NODE, 0)
+    return saved_bytes - relu6 + relu6 // 4 * 2 // 8
+
+
+def add_reductions(rows: list[dict], details: list[dict]) -> list[dict]:
+    """MobileTL rows of the block case get saved_reduction (against the vanilla block as PyTorch saves it, with or
+    without BitTrain alike) and saved_reduction_paper (without BitTrain: against the paper's count of vanilla)."""
+    def find(items, name, method, bittrain):
+        return next(r for r in items if (r["model"], r["method"], r["bittrain"]) == (name, method, bittrain))
+    for tl in (r for r in rows if r["method"] == "mobiletl"):
+        vanilla = find(rows, tl["model"], "vanilla", tl["bittrain"])
+        tl["saved_reduction"] = 1 - tl["saved_bytes"] / vanilla["saved_bytes"]
+        if not tl["bittrain"]:
+            paper = paper_saved_bytes(vanilla["saved_bytes"], find(details, tl["model"], "vanilla", False)["saved_by_node"])
+            tl["saved_reduction_paper"] = 1 - tl["saved_bytes"] / paper
+    return rows
 
 
 # ----------------------------------------------------------------------------- (b), (c) transfer
@@ -361,12 +383,14 @@ def targets(rows: list[dict], blocks: int) -> list[dict]:
     by_block = {(r["model"], r["method"]): r for r in rows if r["case"] == "block" and not r["bittrain"]}
     for name, bar in IRB_TARGETS.items():
         vanilla, tl = by_block[(name, "vanilla")], by_block[(name, "mobiletl")]
-        reduction = 1 - tl["saved_bytes"] / vanilla["saved_bytes"]
         peak = 1 - tl["peak_bytes"] / vanilla["peak_bytes"]
-        out.append({"target": f"{name}: saved activations >= {100 * bar:.1f}% lower with MobileTL (the paper's figure)",
-                    "measured": f"-{100 * reduction:.2f}% ({format_bytes(vanilla['saved_bytes'])} -> "
-                                f"{format_bytes(tl['saved_bytes'])}); step peak -{100 * peak:.1f}%",
-                    "met": reduction >= bar})
+        out.append({"target": f"{name}: saved activations >= {100 * bar:.1f}% lower with MobileTL, on the paper's "
+                              "count (a ReLU6 keeps a 2-bit mask; to the paper's one decimal)",
+                    "measured": f"-{100 * tl['saved_reduction_paper']:.2f}% on the paper's count; "
+                                f"-{100 * tl['saved_reduction']:.2f}% against PyTorch's vanilla block "
+                                f"({format_bytes(vanilla['saved_bytes'])} -> {format_bytes(tl['saved_bytes'])}); "
+                                f"step peak -{100 * peak:.1f}%",
+                    "met": round(100 * tl["saved_reduction_paper"], 1) >= round(100 * bar, 1)})
     transfer = {(r["model"], r["method"], r["bittrain"]): r for r in rows if r["case"] == "transfer"}
     for model in dict.fromkeys(r["model"] for r in rows if r["case"] == "transfer"):
         tl, fb, fa = (transfer.get((model, m, False)) for m in ("mobiletl", "ft_blocks", "ft_all"))
@@ -464,7 +488,8 @@ def write(rows: list[dict], args, extra: dict, started: float) -> None:
                     for m in ("vanilla", "mobiletl"))
             reductions.append({"block": name, "bittrain": bittrain, "vanilla saved MiB": mib(v["saved_bytes"]),
                                "mobiletl saved MiB": mib(t["saved_bytes"]),
-                               "saved reduction": f"{100 * (1 - t['saved_bytes'] / v['saved_bytes']):.2f}%",
+                               "saved reduction": f"{100 * t['saved_reduction']:.2f}%",
+                               "on the paper's count": "" if bittrain else f"{100 * t['saved_reduction_paper']:.2f}%",
                                "peak reduction": f"{100 * (1 - t['peak_bytes'] / v['peak_bytes']):.2f}%",
                                "paper": f">= {100 * IRB_TARGETS[name]:.1f}%" if name in IRB_TARGETS and not bittrain
                                else ""})

@@ -16,7 +16,8 @@ vl-convert-python:
 `linear` colours every line by its git revision and tells files apart by dash pattern only, so the
 workspace's curves come out one colour. Here colour is the method (the `method` column every curve CSV
 carries: the report's name of the method that trained, stages.common.write_history_csv; one file, one
-method) and the dash pattern is the revision (`dvc plots diff`).
+method), drawn in the `colour` column's colour (edgeflux.colours: the same as in every other figure), and the
+dash pattern is the revision (`dvc plots diff`).
 
 DVC fills three placeholders with str.replace: `{plot_divs}` (required), `{refresh_tag}` and `{scripts}`;
 the page has the first two, and neither the bundle nor the page's text may contain any of the three.
@@ -74,7 +75,9 @@ def stages_template() -> dict:
     # (not on the chart: the hover rule's pivoted rows have neither field and would add 'undefined')
     for anchor in ("color", "strokeDash"):
         spec["encoding"].pop(anchor)
-    by_curve = {"color": {"field": "method", "type": "nominal", "title": "method",
+    # each curve's colour is its rows' `colour` (edgeflux.colours.method_colour, written beside `method`): the
+    # colour the report and the benchmarks give that method, for any method, composition or not
+    by_curve = {"color": {"field": "method", "type": "nominal", "title": "method", "scale": {"range": {"field": "colour"}},
                           "legend": {"labelLimit": 400}},
                 "strokeDash": {"field": "rev", "type": "nominal", "title": "revision"}}
     for layer in spec["layer"]:

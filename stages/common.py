@@ -19,6 +19,7 @@ from typing import Any
 from rich.logging import RichHandler
 
 from edgeflux.artifacts import write_json
+from edgeflux.colours import method_colour
 from edgeflux.config import Params, load_params
 from edgeflux.errors import UserError
 from edgeflux.process import die_with_parent
@@ -149,12 +150,13 @@ CURVE_COLUMNS = ("step", "epoch", "time_s", "cpu_s", "train_loss", "val_acc")
 
 def write_history_csv(path: Path, history: list[dict], method: str) -> None:
     """The accuracy-vs-time rows DVC plots (dvc.yaml's plots: x time_s or cpu_s, y val_acc), each with the label
-    of the method that trained (the report's row): the plots' legend names methods, not files."""
+    of the method that trained (the report's row) and its colour (edgeflux.colours): the plots' legend names
+    methods, not files, and a method is drawn in the colour every other figure gives it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[*CURVE_COLUMNS, "method"], extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=[*CURVE_COLUMNS, "method", "colour"], extrasaction="ignore")
         writer.writeheader()
-        writer.writerows({**row, "method": method} for row in history)
+        writer.writerows({**row, "method": method, "colour": method_colour(method)} for row in history)
 
 
 def peak_rss_bytes() -> int:

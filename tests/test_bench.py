@@ -170,13 +170,27 @@ def test_batch_throughput_quick_gives_backprop_a_ceiling(tmp_path):
     assert (tmp_path / "batch_throughput.png").stat().st_size > 10_000
 
 
+def test_mobiletl_paper_count_keeps_2_bits_per_relu6_input_element():
+    """MobileTL's Table 2 baseline: PyTorch saves each ReLU6's 32-bit input, the paper counts a 2-bit mask."""
+    from bench.mobiletl import build_block, paper_saved_bytes
+    from edgeflux.memory import saved_bytes_by_node
+    block, elements = build_block("mbv2_irb").train(), []
+    for m in block.modules():
+        if isinstance(m, torch.nn.ReLU6):
+            m.register_forward_pre_hook(lambda _m, args: elements.append(args[0].numel()))
+    by_node = saved_bytes_by_node(block(torch.randn(2, 96, 7, 7)), [*block.parameters(), *block.buffers()])
+    total, relu6 = sum(by_node.values()), sum(elements)
+    assert len(elements) == 2 and by_node["HardtanhBackward0"] == 4 * relu6
+    assert paper_saved_bytes(total, by_node) == total - 4 * relu6 + relu6 // 4
+
+
 @pytest.mark.slow   # a benchmark script end to end, tens of seconds
 def test_mobiletl_quick_measures_blocks_transfer_and_budget(tmp_path):
     result = run_bench("mobiletl", tmp_path, "--quick", "--threads", "1")
     assert "--quick" in result["command"]
     rows = result["rows"]
     keys = {"case", "model", "method", "blocks", "bittrain", "batch", "peak_bytes", "saved_bytes", "flops",
-            "train_params", "test_acc", "step_time_s"}
+            "train_params", "test_acc", "step_time_s", "saved_reduction", "saved_reduction_paper"}
     assert all(set(r) == keys for r in rows)
     assert {r["case"] for r in rows} == {"block", "transfer", "budget"}
     block = {(r["model"], r["method"], r["bittrain"]): r for r in rows if r["case"] == "block"}
@@ -185,6 +199,9 @@ def test_mobiletl_quick_measures_blocks_transfer_and_budget(tmp_path):
     for irb in ("mbv2_irb", "mbv3_irb"):   # shift-only BatchNorms and 1-bit activation masks save less
         assert block[(irb, "mobiletl", False)]["saved_bytes"] < block[(irb, "vanilla", False)]["saved_bytes"]
         assert block[(irb, "mobiletl", False)]["peak_bytes"] < block[(irb, "vanilla", False)]["peak_bytes"]
+    # the paper counts ReLU6 (MobileNetV2) at 2 bits where PyTorch keeps its input; Hard-Swish at 32 bits, as PyTorch
+    v2, v3 = block[("mbv2_irb", "mobiletl", False)], block[("mbv3_irb", "mobiletl", False)]
+    assert 0 < v2["saved_reduction_paper"] < v2["saved_reduction"] and v3["saved_reduction_paper"] == v3["saved_reduction"]
     methods = {"ft_all", "ft_last", "ft_bn", "ft_bias", "ft_blocks", "mobiletl"}
     transfer = {(r["method"], r["bittrain"]): r for r in rows if r["case"] == "transfer"}
     assert set(transfer) == {(m, False) for m in methods} | {("mobiletl", True)}
@@ -246,8 +263,15 @@ def test_meanet_quick_trains_the_edge_and_routes_through_the_real_cloud(tmp_path
     test = load_splits(argparse.Namespace(train_samples=1, test_samples=256))["test"]
     assert abs(evaluate(model, *test) - made["test_acc"]) <= 2 / 256   # the fp16 weights score what the run reported
 
+    missing = subprocess.run([sys.executable, "-m", "bench.meanet", "--quick", "--cloud-dir", str(clouds), "--seeds",
+                              "0", "1", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert missing.returncode != 0 and "cloud_seed1.pt is missing: train it with" in missing.stderr  # one cloud a seed
+    assert not (tmp_path / "meanet.json").exists()
     result = run_bench("meanet", tmp_path, "--quick", "--threads", "1", "--cloud-dir", str(clouds))
     [row] = result["rows"]
+    assert result["n_seeds"] == row["n_seeds"] == 1 and row["hard_acc_meanet_ci95"] is None
+    assert row["edge_acc"] == row["all_acc_meanet"] and row["acc_at_30"] >= row["acc_at_15"] >= row["edge_acc"]
+    assert {t["verdict"] for t in result["targets"]} == {"not judged (one seed)"} and len(result["targets"]) == 5
     assert result["cloud_model"]["from"] == str(clouds) and result["cloud_model"]["width"] == model.spec["width"]
     assert abs(row["cloud_acc"] - made["test_acc"]) <= 2 / 256   # the served cloud is the one trained, on the same test
     assert {"model", "variant", "hard_acc_main", "hard_acc_meanet", "all_acc_main", "all_acc_meanet", "cloud_acc",
@@ -426,6 +450,24 @@ def test_budget_quick_keeps_the_results_contract_and_combines(tmp_path):
     merged = json.loads((again / "budget.json").read_text())["rows"]   # each row names the processor it ran on
     assert [{k: v for k, v in r.items() if k != "machine"} for r in merged] == rows
     assert {r["machine"] for r in merged} == {result["machine"]["cpu"]}
+
+
+def test_budget_figure_hatches_a_bar_timed_in_another_run_than_its_budgets_others(monkeypatch, tmp_path):
+    import bench.budget
+    import edgeflux.neuroflux.plots as plots
+    drawn = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: drawn.append(fig))
+
+    def row(method, run, time=10.0, frac=0.5):
+        return {"model": "m", "method": method, "budget_frac": frac, "feasible": time is not None,
+                "time_to_target_s": time, "ci95_s": None, "auto": False, "run": run}
+    rows = [row("backprop", "a"), row("neuroflux", "a"), row("auto", "b"), row("backprop", "b", None, 0.25),
+            row("neuroflux", "c", 12.0, 0.25)]     # 25%: one timed bar, from its own run: nothing to compare
+    bench.budget.plot(rows, tmp_path / "b.png", 0.8)
+    bench.budget.plot(rows[:2], tmp_path / "b.png", 0.8)
+    hatched = [[p.get_hatch() for p in fig.axes[0].patches if p.get_hatch()] for fig in drawn]
+    notes = [" ".join(t.get_text() for t in fig.texts) for fig in drawn]
+    assert hatched == [["//"], []] and "hatched: timed in another run" in notes[0] and "hatched" not in notes[1]
 
 
 def test_budget_verdicts_pair_auto_with_the_fastest_by_seed():

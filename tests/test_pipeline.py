@@ -80,7 +80,7 @@ def test_repro_then_noop_then_exp_run(project, first_repro):
                     "trainable_params": metrics["params"], "params": metrics["params"]}
     assert (project / "models/pretrained/vgg11-w0.125.pt").exists()
     curve = (project / "plots/train_bp.csv").read_text().splitlines()
-    assert curve[0] == "step,epoch,time_s,cpu_s,train_loss,val_acc,method" and len(curve) == 3
+    assert curve[0] == "step,epoch,time_s,cpu_s,train_loss,val_acc,method,colour" and len(curve) == 3
     assert all(line.endswith(",backprop") for line in curve[1:])   # the method's name: the plots' legend
     summary = (project / "reports/summary.md").read_text()
     assert "| backprop | scratch | vgg11-w0.125 |" in summary and "different budgets" in summary

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from edgeflux.colours import method_colour
+
 ROOT = Path(__file__).resolve().parents[1]
 DVC = [sys.executable, "-m", "dvc"]
 
@@ -140,6 +142,10 @@ def test_the_training_curves_share_one_chart_coloured_by_method(page):
     spec = next(s for s in _specs(html) if s["title"]["text"] == top["accuracy_vs_time"]["title"])
     colours = [layer["encoding"]["color"] for layer in spec["layer"] if "color" in layer.get("encoding", {})]
     assert colours and all(c["field"] == "method" and c["title"] == "method" for c in colours)
+    # each method in its own colour, the one every other figure gives it
+    assert all(c["scale"] == {"range": {"field": "colour"}} for c in colours)
+    assert {(r["method"], r["colour"]) for r in spec["data"]["values"]} == \
+        {(m, method_colour(m)) for m in {r["method"] for r in spec["data"]["values"]}}
     drawn = {row["method"] for row in spec["data"]["values"]}
     written = [_method_of(ROOT / c) for c in curves if (ROOT / c).exists()]   # (a stage not run yet: no file)
     assert drawn == set(written) and len(set(written)) == len(written)   # a method per curve, each its own
