@@ -260,9 +260,9 @@ def plot_summary(rows: list[dict], out: Path) -> None:
     """Hard-class and all-class accuracy, main vs MEANet (means, 95% intervals), and the edge's training peak vs
     joint, per config."""
     plt = _pyplot()
-    labels = [f"{r['model']} {r['variant']}" for r in rows]
+    labels = [f"{r['model']}\nmodel {r['variant']}" for r in rows]
     idx = range(len(rows))
-    fig, (acc, mem) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (acc, mem) = plt.subplots(1, 2, figsize=(12, 4.8))
     for offset, key, label in ((-0.3, "hard_acc_main", "hard classes: main"), (-0.1, "hard_acc_meanet", "hard: MEANet"),
                                (0.1, "all_acc_main", "all classes: main"), (0.3, "all_acc_meanet", "all: MEANet")):
         acc.bar([i + offset for i in idx], [100 * r[key] for r in rows], width=0.2, label=label,
@@ -270,15 +270,16 @@ def plot_summary(rows: list[dict], out: Path) -> None:
     acc.set_xticks(list(idx), labels)
     acc.set(ylabel="test accuracy (%; mean, 95% interval)", title="Tables II-III: main block vs MEANet",
             ylim=(40, 100))
-    acc.legend(fontsize=7)
+    acc.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
     mem.bar([i - 0.2 for i in idx], [r["edge_train_peak_bytes"] / 2**20 for r in rows], width=0.4,
             label="MEANet (main fixed)")
     mem.bar([i + 0.2 for i in idx], [r["joint_train_peak_bytes"] / 2**20 for r in rows], width=0.4, label="joint")
     mem.set_xticks(list(idx), labels)
     mem.set(ylabel="measured training-step peak (MiB)", title="Fig. 6: training memory at equal batch")
-    mem.legend(fontsize=7)
+    mem.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
     for ax in (acc, mem):
         ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
     _save(fig, out)
 
 

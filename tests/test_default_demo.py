@@ -28,6 +28,7 @@ def test_the_default_budget_makes_the_techniques_differ():
     assert partition["blocks"] >= 2                                          # NeuroFlux: blocks, each its batch
     assert partition["min_block_batch"] < partition["max_block_batch"]
     assert train_bp["batch"] < min(params["device"]["max_batch"], 128)      # backprop: squeezed
-    assert ft_all["batch"] < mobiletl["batch"] and ft_all["peak_mib"] > 1.5 * mobiletl["peak_mib"]
+    # fine-tuning: FT-All's batch squeezed to a few samples, MobileTL's (less memory per sample) at its limit
+    assert 4 * ft_all["batch"] <= mobiletl["batch"] and ft_all["peak_mib"] > mobiletl["peak_mib"]
     for m in (train_bp, ft_all, mobiletl, _metrics("meanet_edge")):
         assert m["peak_mib"] <= budget_mib                                   # the promise
