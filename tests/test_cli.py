@@ -23,6 +23,7 @@ from pipeline.sandbox import GIT_IDENTITY, git_env, sh
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
+BUDGET = yaml.safe_load((REPO / "params.yaml").read_text())["device"]["budget"]   # the default, as params.yaml has it
 
 # Each stage writes what it ran with: the param it reads, the device's budget and threads, and the environment
 # the CLI gave it.
@@ -226,15 +227,15 @@ def test_after_a_run_of_some_stages_a_summary_they_make_stale_is_named_not_shown
                                                "deps": ["target.txt"], "outs": ["reports/summary.md"]}}
     (dvc_project / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
     rc, out, err = run_cli(capsys, "run", "--set", "report.target_acc=0.6", "report")   # target, then report
-    assert rc == 0 and "\n0.6 64MB" in out and "predates" not in out, err
+    assert rc == 0 and f"\n0.6 {BUDGET}" in out and "predates" not in out, err
     rc, out, err = run_cli(capsys, "run", "--set", "report.target_acc=0.7", "target")
     assert rc == 0, err
     assert "reports/summary.md predates this run of target (stale: report), so it is not shown; `edgeflux run " \
-           "report` brings it up to date" in out and "0.6 64MB" not in out
+           "report` brings it up to date" in out and f"0.6 {BUDGET}" not in out
     rc, out, err = run_cli(capsys, "run", "report")
-    assert rc == 0 and "\n0.7 64MB" in out, err
+    assert rc == 0 and f"\n0.7 {BUDGET}" in out, err
     rc, out, err = run_cli(capsys, "run", "other")   # nothing the report reads changed: the summary is current
-    assert rc == 0 and "\n0.7 64MB" in out and "predates" not in out, err
+    assert rc == 0 and f"\n0.7 {BUDGET}" in out and "predates" not in out, err
 
 
 def test_stage_names_are_the_ones_dvc_takes_with_matrix_instances_from_params():

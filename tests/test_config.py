@@ -161,7 +161,7 @@ def test_finetune_section_names_a_pretrained_model_and_known_methods():
 def test_meanet_edge_options_are_the_training_options_alone():
     p = load_params(REPO / "params.yaml").meanet
     edge = p.edge_options()
-    assert edge.budget == p.budget == 64_000_000 and edge.epochs == p.epochs and edge.bittrain == p.bittrain
+    assert edge.budget == p.budget == 32_000_000 and edge.epochs == p.epochs and edge.bittrain == p.bittrain
     assert "threshold" not in edge.model_dump() and "client" not in edge.model_dump()
     changed = load_params(REPO / "params.yaml").meanet.model_copy(update={"threshold": 0.3, "sweep": 7})
     assert changed.edge_options().model_dump() == edge.model_dump()   # the router's settings: same training run

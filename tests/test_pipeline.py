@@ -12,6 +12,7 @@ import psutil
 import pytest
 import yaml
 
+from edgeflux.colours import method_colour
 from edgeflux.process import run_group
 from pipeline.sandbox import quick_params
 
@@ -81,7 +82,8 @@ def test_repro_then_noop_then_exp_run(project, first_repro):
     assert (project / "models/pretrained/vgg11-w0.125.pt").exists()
     curve = (project / "plots/train_bp.csv").read_text().splitlines()
     assert curve[0] == "step,epoch,time_s,cpu_s,train_loss,val_acc,method,colour" and len(curve) == 3
-    assert all(line.endswith(",backprop") for line in curve[1:])   # the method's name: the plots' legend
+    # the method's name (the plots' legend) and its colour, the one every figure gives it
+    assert all(line.endswith(f",backprop,{method_colour('backprop')}") for line in curve[1:])
     summary = (project / "reports/summary.md").read_text()
     assert "| backprop | scratch | vgg11-w0.125 |" in summary and "different budgets" in summary
     for image in ("accuracy_vs_time", "memory", "pareto"):
