@@ -229,8 +229,14 @@ def fmt_ci(ci: dict, unit: str = "", digits: int = 3) -> str:
 
 
 def add_seeds(parser: argparse.ArgumentParser, what: str = "weights, data order") -> None:
-    """The --seeds flag: committed results are the mean and 95% interval over three."""
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help=f"seeds ({what}), one run each")
+    """The --seeds flag: committed results are the mean and 95% interval over three; --quick runs one."""
+    parser.add_argument("--seeds", type=int, nargs="+", default=None,
+                        help=f"seeds ({what}), one run each (default: 0 1 2; --quick: 0)")
+
+
+def seeds_of(args: argparse.Namespace) -> list[int]:
+    """The seeds to run: --seeds as given, else three (one under --quick)."""
+    return args.seeds if args.seeds is not None else [0] if args.quick else [0, 1, 2]
 
 
 def over_seeds(rows: list[dict], by: Sequence[str], metrics: Sequence[str]) -> list[dict]:
@@ -242,8 +248,8 @@ def over_seeds(rows: list[dict], by: Sequence[str], metrics: Sequence[str]) -> l
     out = []
     for group in groups.values():
         row = {k: v for k, v in group[0].items() if k != "seed"}
-        for metric in metrics:
-            ci = mean_ci([r[metric] for r in group])
+        for metric in metrics:      # a seed without the figure (a method that did not fit) is left out
+            ci = mean_ci([r[metric] for r in group if r.get(metric) is not None])
             row[metric], row[f"{metric}_ci95"] = ci["mean"], None if ci["hi"] is None else ci["hi"] - ci["mean"]
         out.append({**row, "n_seeds": len(group), "seeds": [r["seed"] for r in group]})
     return out
@@ -256,6 +262,28 @@ def judged(values: list[float], at_least: float) -> tuple[str, dict]:
     if ci["lo"] is None:
         return "not judged (one seed)", ci
     return ("met" if ci["lo"] >= at_least else "not met" if ci["hi"] < at_least else "not shown"), ci
+
+
+def target(what: str, bound: float, values: list[float], exact: bool = False, at_most: bool = False,
+           **labels: Any) -> dict:
+    """A target row of a results file: what is judged, its bound, the per-seed values' mean and 95% interval, and
+    judged()'s verdict; labels (model, ...) first. Every benchmark's targets have this shape. exact: the value is
+    deterministic (a byte count), one value judged as it is; at_most: the values must stay at or below the bound."""
+    sign = -1 if at_most else 1
+    if exact:
+        (value,) = set(values)
+        verdict = "met" if sign * value >= sign * bound else "not met"
+        ci = {"n": None, "mean": value, "lo": value, "hi": value}
+    else:
+        verdict, ci = judged([sign * v for v in values], sign * bound)
+        if at_most:
+            ci = {"n": ci["n"], "mean": -ci["mean"], "lo": None if ci["hi"] is None else -ci["hi"],
+                  "hi": None if ci["lo"] is None else -ci["lo"]}
+    return {**labels, "target": f"{what} {'<=' if at_most else '>='} {bound:+g}", "bound": bound, "mean": ci["mean"],
+            "lo": ci["lo"], "hi": ci["hi"], "n_seeds": ci["n"], "verdict": verdict}
+
+
+TARGET_COLUMNS = ("target", "mean", "lo", "hi", "n_seeds", "verdict")
 
 
 def pm(row: dict, key: str, scale: float = 1.0, digits: int = 4) -> str:

@@ -36,7 +36,6 @@ import copy
 import hashlib
 import logging
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -45,7 +44,8 @@ import torch
 from rich.logging import RichHandler
 
 from bench import meanet_cloud
-from bench.common import BenchResult, HelpFormatter, add_seeds, bench_argparser, judged, over_seeds, pm
+from bench.common import (TARGET_COLUMNS, BenchResult, HelpFormatter, add_seeds, bench_argparser, over_seeds, pm,
+                          seeds_of, target)
 from edgeflux.backprop import train_under_budget
 from edgeflux.data import load_raw, prepare, tensors
 from edgeflux.meanet.cloud import CloudClient
@@ -107,8 +107,7 @@ def parse_args(argv=None):
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
-        if "--seeds" not in (sys.argv[1:] if argv is None else argv):
-            args.seeds = [0]
+    args.seeds = seeds_of(args)
     return args
 
 
@@ -295,14 +294,11 @@ def targets(seed_rows: list[dict]) -> list[dict]:
                lambda r: r["acc_at_30"] - r["cloud_only_routed_acc"]),
               ("training peak saved against joint training (% of joint)", 1 - MEMORY_RATIO,
                lambda r: 1 - r["peak_ratio"]))
-    out = []
-    for row in over_seeds(seed_rows, ("model", "variant"), ()):
-        group = [r for r in seed_rows if (r["model"], r["variant"]) == (row["model"], row["variant"])]
-        for what, bound, value in checks:
-            verdict, ci = judged([100 * value(r) for r in group], 100 * bound)
-            out.append({"model": row["model"], "variant": row["variant"], "target": f"{what} >= {100 * bound:+g}",
-                        "mean": ci["mean"], "lo": ci["lo"], "hi": ci["hi"], "n_seeds": ci["n"], "verdict": verdict})
-    return out
+    groups: dict[tuple, list[dict]] = {}
+    for r in seed_rows:
+        groups.setdefault((r["model"], r["variant"]), []).append(r)
+    return [target(what, 100 * bound, [100 * value(r) for r in group], model=model, variant=variant)
+            for (model, variant), group in groups.items() for what, bound, value in checks]
 
 
 def write(result: BenchResult, rows: list[dict], selection: list[dict], args, extra: dict) -> None:
@@ -323,7 +319,7 @@ def write(result: BenchResult, rows: list[dict], selection: list[dict], args, ex
                             "cloud_energy_j": "cloud-only: modelled energy (J)",
                             "round_trip_s_per_instance": "measured round trip (s/instance)"})
     result.add_section("Targets: each judged by the 95% interval of its per-seed values", extra["targets"],
-                       ["model", "variant", "target", "mean", "lo", "hi", "n_seeds", "verdict"])
+                       ["model", "variant", *TARGET_COLUMNS])
     for r in rows:
         result.add_section(f"Threshold sweep, {r['model']} model {r['variant']}, seed {r['seeds'][0]} (Figs. 7-8; "
                            "energy and latency modelled by Table I)", r["sweep"],

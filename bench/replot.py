@@ -3,7 +3,7 @@ now: after a change to a figure's code (or to edgeflux.colours), without rerunni
 
 Each figure here is drawn from bench/results/<name>.json alone; tests/test_figures.py draws every one and
 checks the mechanical rules (edgeflux.figcheck). Figures whose data the JSON does not hold (ElasticTrainer's
-per-model curves and selections, BitTrain's panels, MEANet's sweeps, the GPU runs) are drawn only by their
+selections, BitTrain's panels, MEANet's sweeps, the GPU runs) are drawn only by their
 benchmark.
 
     python -m bench.replot                     # every figure below, into bench/results/
@@ -31,7 +31,12 @@ def _accumulate(d: dict, out: Path) -> None:
 
 def _mobiletl(d: dict, out: Path) -> None:
     from bench.mobiletl import plot
-    plot(d["rows"], out / "mobiletl.png", d["settings"]["blocks"], d["settings"]["block_size"])
+    plot(d["rows"], out / "mobiletl.png", d["settings"]["block_size"])
+
+
+def _elastic(d: dict, out: Path) -> None:
+    from bench.elastic import plot
+    plot(d["curves"], d["settings"]["seeds"][0], out / "elastic.png")
 
 
 def _neuroflux(d: dict, out: Path) -> None:
@@ -82,7 +87,8 @@ def _meanet(d: dict, out: Path) -> None:
 
 
 FIGURES: dict[str, Callable[[dict, Path], None]] = {
-    "accumulate": _accumulate, "batch_throughput": _batch_throughput, "budget": _budget, "meanet": _meanet,
+    "accumulate": _accumulate, "batch_throughput": _batch_throughput, "budget": _budget, "elastic": _elastic,
+    "meanet": _meanet,
     "memory_baseline": _memory_baseline, "mobiletl": _mobiletl, "neuroflux": _neuroflux, "pipeline": _pipeline,
     "plan": _plan, "realistic": _realistic, "servers": _servers, "tricks": _tricks,
 }

@@ -375,7 +375,7 @@ def test_pipeline_runs_carry_their_params_and_compare_shows_what_differs(project
     parent = client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id],
                                 "tags.`edgeflux.pipeline_id` = 'p2'")[0]
     params = yaml.safe_load((project / "params.yaml").read_text())
-    assert parent.data.params == {**{k: "" if v is None else str(v) for k, v in flatten(params).items()},
+    assert parent.data.params == {**{k: "null" if v is None else str(v) for k, v in flatten(params).items()},
                                   "edgeflux.overrides": '{"device.budget": "16MB"}'}
     assert [a.path for a in client.list_artifacts(parent.info.run_id)] == ["params.yaml"]
     capsys.readouterr()

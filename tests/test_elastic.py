@@ -138,17 +138,32 @@ def test_importance_is_the_first_order_loss_reduction_of_one_update():
     before = copy.deepcopy(model.state_dict())
     got = tensor_importance(step, names, x, y)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())      # weights and statistics back
-    # by hand: SGD's update is -lr * g0; the gradient after it g1; I = -sum(g1 * update)
+    # by hand: SGD's update is -lr * g; I = -sum(g * update) = lr * |g|^2
     ref = copy.deepcopy(model)
     params = dict(ref.named_parameters())
-    g0 = torch.autograd.grad(F.cross_entropy(ref(x), y), [params[n] for n in names])
-    with torch.no_grad():
-        for n, g in zip(names, g0):
-            params[n] -= 0.01 * g
-    g1 = torch.autograd.grad(F.cross_entropy(ref(x), y), [params[n] for n in names])
-    want = [float((a * 0.01 * b).sum()) for a, b in zip(g1, g0)]
-    assert got == pytest.approx(want, rel=1e-2, abs=1e-9)      # float32 sums in another order
+    g = torch.autograd.grad(F.cross_entropy(ref(x), y), [params[n] for n in names])
+    want = [float(0.01 * (a * a).sum()) for a in g]
+    assert got == pytest.approx(want, rel=1e-4, abs=1e-12)
     assert sum(got) > 0                                      # one SGD step lowers the loss to first order
+    # per weight: each over its tensor's element count
+    per_weight = tensor_importance(step, names, x, y, per_weight=True)
+    assert per_weight == pytest.approx([w / params[n].numel() for w, n in zip(want, names)], rel=1e-4, abs=1e-12)
+
+
+def test_importance_under_adam_is_lr_times_the_l1_norm_for_a_fresh_tensor():
+    """Adam's first step moves every weight by lr (bias-corrected m / sqrt(v) = sign(g)): the importance is
+    lr * |g|_1, a sum over weights; per weight it is lr * mean |g|."""
+    model, (x, y) = _model(), _batch(16)
+    opts = FinetuneOptions(optimizer="adam", lr=1e-3, weight_decay=0.0)
+    step = TrainStep.factory(optimizer_factory(opts))(model)
+    names = execution_order(model, lambda: model(x))
+    ref = copy.deepcopy(model)
+    params = dict(ref.named_parameters())
+    g = torch.autograd.grad(F.cross_entropy(ref(x), y), [params[n] for n in names])
+    raw = tensor_importance(step, names, x, y)
+    assert raw == pytest.approx([1e-3 * float(a.abs().sum()) for a in g], rel=1e-3, abs=1e-9)
+    per_weight = tensor_importance(step, names, x, y, per_weight=True)
+    assert per_weight == pytest.approx([1e-3 * float(a.abs().mean()) for a in g], rel=1e-3, abs=1e-12)
 
 
 def test_a_rho_too_small_trains_the_classifier_alone_or_is_one_line_naming_the_smallest_workable_value(tmp_path):

@@ -1,7 +1,7 @@
 """Elastic training (the paper's Figure 5): profile the tensors' times, evaluate their importance every
 ``interval`` epochs, select the tensors that fit the backward budget, train only those.
 
-    opts = ElasticOptions(rho=0.5, interval=1)
+    opts = ElasticOptions(rho=0.5, interval=3)
     controller = ElasticController(opts, classifier=["units.13.1.weight", "units.13.1.bias"])
     fit(model, train, val, topts, batch, TrainRun(make_before_step=controller.attach))    # via edgeflux.finetune
 
@@ -96,7 +96,8 @@ class ElasticController:
                 state["timing"] = self.timing.to_dict()
                 overhead["profile"] += time.perf_counter() - tick
             tick = time.perf_counter()
-            importance = tensor_importance(self.step, self.names, *self._probe(epoch, device))
+            importance = tensor_importance(self.step, self.names, *self._probe(epoch, device),
+                                           per_weight=self.opts.importance == "per_weight")
             overhead["importance"] += time.perf_counter() - tick
         tick = time.perf_counter()
         mask = self.select(importance)

@@ -73,7 +73,9 @@ def pipeline_params(path: Path = PARAMS_FILE) -> dict[str, str]:
 
 
 def _param_text(value: Any) -> str:
-    text = "" if value is None else str(value)
+    # YAML's own word for an unset value (a stage's budget: null inherits device.budget): an empty param shows
+    # as "unknown" in MLflow's compare view
+    text = "null" if value is None else str(value)
     return text if len(text) <= PARAM_CHARS else text[:PARAM_CHARS - 1] + "…"
 
 
