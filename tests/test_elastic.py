@@ -199,7 +199,7 @@ def test_elastic_finetune_composes_with_mobiletl_and_bittrain(mnist_subset):
     model = build_model("mobilenet_v2", num_classes=10, in_channels=1, width=0.25, image_size=32, seed=0)
     opts = FinetuneOptions(blocks=2, epochs=2, budget="24MB", max_batch=64, evals_per_epoch=1, optimizer="adam",
                            lr=1e-3, bittrain=BitTrainOptions(enabled=True),
-                           elastic=ElasticOptions(rho=0.7, base="mobiletl", repeats=1))
+                           elastic=ElasticOptions(rho=0.7, base="mobiletl", repeats=1, interval=1))
     reference = prepare("mobiletl", copy.deepcopy(model), opts, [data[0][0][:32]]).model
     top = {n for n, p in reference.named_parameters() if p.requires_grad}
     run = finetune(model, "elastic", opts, *data)
