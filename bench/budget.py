@@ -401,7 +401,8 @@ def write(rows: list[dict], args, notes: str, measured_by: dict | None = None) -
           for r in rows]
     result.write(NAME, args.out, title=f"Time to {args.target_acc:.0%} test accuracy under a memory budget",
                  md_rows=md, notes=notes, measured_by=measured_by,
-                 extra={"verdicts": judged, "settings": {k: str(v) if isinstance(v, Path) else v
+                 extra={"n_seeds": max(r["n_seeds"] for r in rows), "verdicts": judged,
+                        "settings": {k: str(v) if isinstance(v, Path) else v
                                                          for k, v in vars(args).items() if k != "combine"}})
     plot(rows, args.out / f"{NAME}.png", args.target_acc)
 

@@ -308,10 +308,15 @@ def variants(args) -> list[tuple[str, int | None, bool]]:
     return out + ([("mobiletl", args.blocks[0], True)] if "mobiletl" in args.methods else [])
 
 
+def options(args, seed: int, **update) -> FinetuneOptions:
+    """The fine-tuning every method of the benchmark gets (the same epochs, batch, lr, optimizer), with `update`."""
+    return FinetuneOptions(epochs=args.epochs, batch_size=args.batch, lr=args.lr, optimizer=args.optimizer,
+                           evals_per_epoch=1, seed=seed, device="cpu", max_batch=args.max_batch, **update)
+
+
 def transfer_rows(key: str, pretrained: nn.Module, args, target: dict, progress: Progress, task,
                   seed: int) -> tuple[list[dict], list[dict]]:
-    base = FinetuneOptions(epochs=args.epochs, batch_size=args.batch, lr=args.lr, optimizer=args.optimizer,
-                           evals_per_epoch=1, seed=seed, device="cpu", max_batch=args.max_batch)
+    base = options(args, seed)
     m = args.measure_batch
     x, y = target["train"]
     batch, warm = (x[:m], y[:m].clone()), (x[m:2 * m], y[m:2 * m].clone())
@@ -348,9 +353,7 @@ def transfer_rows(key: str, pretrained: nn.Module, args, target: dict, progress:
 def budget_rows(key: str, pretrained: nn.Module, args, target: dict, budget: int, progress: Progress, task,
                 seed: int) -> tuple[list[dict], list[dict]]:
     """Each method (block-wise ones at the first --blocks) at the largest batch whose measured step fits `budget`."""
-    opts = FinetuneOptions(epochs=args.epochs, batch_size=args.batch, lr=args.lr, optimizer=args.optimizer,
-                           blocks=args.blocks[0], evals_per_epoch=1, seed=seed, device="cpu", max_batch=args.max_batch,
-                           budget=f"{budget}B")
+    opts = options(args, seed, blocks=args.blocks[0], budget=f"{budget}B")
     rows, details = [], []
     for method in args.methods:
         blocks = args.blocks[0] if method in BLOCK_METHODS else None

@@ -3,7 +3,7 @@ now: after a change to a figure's code (or to edgeflux.colours), without rerunni
 
 Each figure here is drawn from bench/results/<name>.json alone; tests/test_figures.py draws every one and
 checks the mechanical rules (edgeflux.figcheck). Figures whose data the JSON does not hold (ElasticTrainer's
-selections, BitTrain's panels, MEANet's sweeps, the GPU runs) are drawn only by their
+selections, MEANet's sweeps, the GPU runs) are drawn only by their
 benchmark.
 
     python -m bench.replot                     # every figure below, into bench/results/
@@ -17,6 +17,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.common import RESULTS_DIR
+
+
+def _bittrain(d: dict, out: Path) -> None:
+    from bench.bittrain import plot_panels
+    from edgeflux.report import plot_bar_panels
+    plot_bar_panels(plot_panels(d["rows"], d["config"]["batch"], d["config"]["acc_steps"]), out / "bittrain.png",
+                    title=d["title"])
 
 
 def _budget(d: dict, out: Path) -> None:
@@ -87,8 +94,8 @@ def _meanet(d: dict, out: Path) -> None:
 
 
 FIGURES: dict[str, Callable[[dict, Path], None]] = {
-    "accumulate": _accumulate, "batch_throughput": _batch_throughput, "budget": _budget, "elastic": _elastic,
-    "meanet": _meanet,
+    "accumulate": _accumulate, "batch_throughput": _batch_throughput, "bittrain": _bittrain, "budget": _budget,
+    "elastic": _elastic, "meanet": _meanet,
     "memory_baseline": _memory_baseline, "mobiletl": _mobiletl, "neuroflux": _neuroflux, "pipeline": _pipeline,
     "plan": _plan, "realistic": _realistic, "servers": _servers, "tricks": _tricks,
 }

@@ -79,6 +79,7 @@ class BarPanel:
     ylabel: str = "MiB"
     scale: float = MiB                        # values are divided by this before drawing
     line: tuple[str, float] | None = None     # a horizontal reference (label, value), e.g. the budget
+    points: dict[str, list[list[float]]] | None = None   # label -> per category the values behind the bar (seeds)
 
     def __post_init__(self) -> None:
         for label, values in self.series.items():
@@ -97,6 +98,8 @@ def draw_bars(ax: Any, panel: BarPanel) -> list:
     for k, (label, values) in enumerate(panel.series.items()):
         xs = [i + (k - (n - 1) / 2) * width for i in range(len(panel.categories))]
         containers.append(ax.bar(xs, [v / panel.scale for v in values], width=width, label=label))
+        for x, points in zip(xs, (panel.points or {}).get(label, [])):   # each seed's value on its bar
+            ax.plot([x] * len(points), [p / panel.scale for p in points], "o", color="black", markersize=3)
     if panel.line is not None:
         label, value = panel.line
         ax.axhline(value / panel.scale, color="black", linestyle="--", linewidth=1, label=label)
