@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import hashlib
 import math
 import resource
 import statistics
@@ -302,13 +303,15 @@ def train_accuracy(key: str, variant: str, seed: int, cfg: dict, train, test) ->
                 break
         epoch += 1
     seconds = time.perf_counter() - start
+    # a digest of the trained weights: exact storage must train to the same bits as dense
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:16]
     model.eval()
     with torch.no_grad():
         correct = sum(int((model(xb).argmax(1) == yb).sum())
                       for xb, yb in batches(*test, batch_size=500, shuffle=False))
     return {"case": f"accuracy {key} {variant}", "part": "accuracy", "model": key, "variant": variant, "width": 0.25,
             "seed": seed, "steps": steps, "batch": batch, "test_accuracy": correct / len(test[1]),
-            "train_seconds": seconds,
+            "train_seconds": seconds, "weights_digest": digest,
             "dense_bytes": None, "theoretical_bytes": None, "achieved_bytes": None, "peak_bytes": None,
             "step_time_ratio": None}
 
