@@ -216,7 +216,7 @@ def part_neuroflux(args, name: str) -> None:
             break
         started = time.perf_counter()
         neuroflux.main([*(QUICK if args.quick else FULL)["nf"], "--methods", "backprop", "--device", args.device,
-                        "--seed", str(seed), "--out", str(seeds_dir), "--name", f"seed{seed}"])
+                        "--seeds", str(seed), "--out", str(seeds_dir), "--name", f"seed{seed}"])
         need = time.perf_counter() - started + 10
     runs = [json.loads(p.read_text()) for p in sorted(seeds_dir.glob("seed*.json"))]
     if not runs:

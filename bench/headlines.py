@@ -36,11 +36,11 @@ HEADLINES = (
     Headline("NeuroFlux", "trains under GPU memory budgets too small for backprop (CIFAR-10/100, Tiny ImageNet; "
              "Jetson and GPUs)", "neuroflux", "trains where backprop cannot"),
     Headline("NeuroFlux", "2.3x to 6.1x faster than backprop for the same memory budget",
-             "neuroflux", "time to target >= 2.3x faster than backprop"),
+             "neuroflux", "time to target, speed-up over backprop"),
     Headline("NeuroFlux", "3.3x to 10.3x faster than classic local learning for the same memory budget",
-             "neuroflux", "time to target >= 3.3x faster than classic LL"),
+             "neuroflux", "time to target, speed-up over classic LL"),
     Headline("NeuroFlux", "early-exit models with 10.9x to 29.4x fewer parameters, accuracy not sacrificed",
-             "neuroflux", "compact model >= 10x fewer parameters"),
+             "neuroflux", "compact model"),
     Headline("BitTrain", "bitmap storage = 4 bytes x non-zeros + 1 bit x elements (Table 1)",
              "bittrain", "achieved bitmap bytes"),
     Headline("BitTrain", "up to 34% less memory at 50% activation sparsity; 18-53% less training memory overall "
@@ -98,10 +98,10 @@ def figure(t: dict) -> tuple[str, str, str]:
 
 
 def label(t: dict) -> tuple[str, str]:
-    """(model, target text) of a target row: its model (and MEANet's variant) fields, or a one-word
+    """(model, target text) of a target row: its model (and MEANet's variant, NeuroFlux's budget) fields, or a one-word
     "model: " prefix of its text (the one-seed results' shape)."""
     if "model" in t:
-        return " ".join(str(t[k]) for k in ("model", "variant") if k in t), t["target"]
+        return " ".join(str(t[k]) for k in ("model", "variant", "budget") if k in t), t["target"]
     head, sep, rest = t["target"].partition(": ")
     return (head, rest) if sep and " " not in head else ("", t["target"])
 

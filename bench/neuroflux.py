@@ -37,7 +37,8 @@ from pathlib import Path
 
 import torch
 
-from bench.common import METHOD_COLOURS, RESULTS_DIR, BenchResult, HelpFormatter, program_name
+from bench.common import (METHOD_COLOURS, RESULTS_DIR, TARGET_COLUMNS, BenchResult, HelpFormatter, add_seeds, over_seeds,
+                          pm, program_name, seeds_of, target)
 from edgeflux.backprop import train_under_budget
 from edgeflux.config import MemoryOptions, NeuroFluxParams
 from edgeflux.data import load_raw, prepare, tensors
@@ -74,29 +75,30 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="how backprop scales lr 0.05 to its batch (default: as --lr-scaling; constant keeps "
                              "0.05, for a large batch that diverges when scaled up)")
     parser.add_argument("--bp-epochs", type=int, default=6, help="epochs of backprop over the whole network")
-    parser.add_argument("--time-limit", type=float, default=300.0,
+    parser.add_argument("--time-limit", type=float, default=240.0,
                         help="seconds of training after which classic local learning starts no new unit")
     parser.add_argument("--target-acc", type=float, default=0.85, help="target test accuracy for time-to-target")
     parser.add_argument("--max-batch", type=int, default=256, help="batch size limit B for every method")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (none given: torch's choice)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="where every method trains and its memory is measured (cuda: the CUDA allocator's peak)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights, the auxiliary heads and the data order")
+    add_seeds(parser, "the weights, the auxiliary heads, the data order")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS),
                         help="methods to run (NeuroFlux always runs: every speed-up is measured against it)")
     parser.add_argument("--budgets-mib", type=float, nargs="+", default=None, metavar="MIB",
                         help="absolute budgets in MiB instead of --budgets (e.g. the paper's 250 and 500 MB on a GPU)")
     parser.add_argument("--test-samples", type=int, default=None,
-                        help="test images (default: --eval-samples; 0: the whole test split)")
+                        help="test images (default: the whole 10,000-image test split; --quick: --eval-samples)")
     parser.add_argument("--name", default="neuroflux", help="result file name: <out>/<name>.{json,md,png}")
     parser.add_argument("--combine", type=Path, nargs="+", default=None, metavar="JSON",
-                        help="instead of running: merge neuroflux.json files of runs over different --models "
-                             "(e.g. one process per core) into one result in --out")
+                        help="instead of running: merge neuroflux.json files of runs over different --models or "
+                             "--seeds (e.g. one process per core) into one result over every seed, in --out")
     args = parser.parse_args(argv)
     if args.quick:
         args.models, args.width, args.budgets = ["vgg11"], 0.125, args.budgets or [0.6, 3.0]
         args.train_samples, args.eval_samples, args.epochs, args.target_acc = 512, 256, 1, 0.5
         args.bp_epochs, args.time_limit = 2, 60.0
+        args.test_samples = args.eval_samples if args.test_samples is None else args.test_samples
     args.budgets = args.budgets or [0.6, 1.5, 4.0]
     if "neuroflux" not in args.methods:
         args.methods = ["neuroflux", *args.methods]
@@ -133,7 +135,7 @@ def run_local(spec, splits, opts, budget, args, classic: bool, until=None) -> di
     method = "classic LL" if classic else "NeuroFlux"
     if classic:   # the baseline as published: one lr for every unit
         opts = opts.model_copy(update={"lr_scaling": "constant"})
-    aux = dict(mode="classic" if classic else "adaptive", classic_filters=256, pool=2, seed=args.seed)
+    aux = dict(mode="classic" if classic else "adaptive", classic_filters=256, pool=2, seed=opts.seed)
     model, learners = build_learners(spec, aux)
     profiles = profile_units(learners, model.describe(), spec["num_classes"], optimizer_factory(opts),
                              batches=(16, 32, 64, 128), data=splits["train"], min_r2=0.0, device=args.device)
@@ -171,41 +173,45 @@ def run_local(spec, splits, opts, budget, args, classic: bool, until=None) -> di
             "within_budget": all(b.peak_bytes <= budget for b in run.blocks)}
 
 
-def plot(rows: list[dict], path: Path, target: float) -> None:
-    """Test accuracy vs training time per model (columns) and budget (rows): the paper's Figure 12."""
+def plot(per_seed: list[dict], path: Path, target: float) -> None:
+    """Test accuracy vs training time per model (columns) and budget (rows), every seed a line: the paper's
+    Figure 12."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    fracs = sorted({r["budget_frac_of_bp_min"] for r in rows})
+    models = list(dict.fromkeys(r["model"] for r in per_seed))
+    fracs = sorted({r["budget_frac_of_bp_min"] for r in per_seed})
     fig, axes = plt.subplots(len(fracs), len(models), figsize=(5 * len(models), 3.6 * len(fracs)), squeeze=False)
     for i, frac in enumerate(fracs):
         for j, model in enumerate(models):
-            ax = axes[i][j]
-            for r in rows:
+            ax, labelled = axes[i][j], set()
+            for r in per_seed:
                 if r["model"] == model and r["budget_frac_of_bp_min"] == frac and r.get("curve"):
                     t, acc = zip(*r["curve"])
-                    ax.plot(t, acc, marker=".", label=r["method"], color=METHOD_COLOURS[r["method"]])
-            budget = next(r["budget_bytes"] for r in rows if r["model"] == model and r["budget_frac_of_bp_min"] == frac)
+                    ax.plot(t, acc, marker=".", alpha=0.75, color=METHOD_COLOURS[r["method"]],
+                            label=None if r["method"] in labelled else r["method"])
+                    labelled.add(r["method"])
+            budget = next(r["budget_bytes"] for r in per_seed if r["model"] == model and r["budget_frac_of_bp_min"] == frac)
             ax.axhline(target, color="grey", linestyle="--", linewidth=1)
             ax.set(title=f"{model}, budget {format_bytes(budget)} ({frac:g}x BP min)", xlabel="training time (s)",
                    ylabel="test accuracy")
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=8, title="one line per seed", title_fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def plot_exits(rows: list[dict], path: Path) -> None:
-    """Validation accuracy and parameters of every NeuroFlux exit (the paper's Figure 10), one panel per model."""
+def plot_exits(per_seed: list[dict], path: Path) -> None:
+    """Validation accuracy and parameters of every NeuroFlux exit (the paper's Figure 10), one panel per model,
+    of the first seed's runs."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [r for r in rows if r["method"] == "NeuroFlux" and r.get("exits")]
+    runs = [r for r in per_seed if r["method"] == "NeuroFlux" and r.get("exits") and r["seed"] == per_seed[0]["seed"]]
     models = list(dict.fromkeys(r["model"] for r in runs))
     if not models:
         return
@@ -220,7 +226,7 @@ def plot_exits(rows: list[dict], path: Path) -> None:
         last = next(r for r in runs if r["model"] == model)["exits"]
         twin.bar([e["unit"] for e in last], [e["params"] for e in last], color="grey", alpha=0.2)
         twin.set(ylabel="parameters up to the exit (bars)", yscale="log")
-        ax.set(title=f"{model}: accuracy per exit (* chosen)", xlabel="exit after unit",
+        ax.set(title=f"{model}, seed {runs[0]['seed']}: accuracy per exit (* chosen)", xlabel="exit after unit",
                ylabel="validation accuracy", xticks=[e["unit"] for e in last])
         ax.set_xticklabels([e["name"] for e in last], rotation=60, fontsize=7)
         ax.set_zorder(twin.get_zorder() + 1)
@@ -232,19 +238,19 @@ def plot_exits(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def compact_exits(rows: list[dict]) -> list[dict]:
-    """Per NeuroFlux run: the exit the issue's rule chose, and the largest exit with >= 10x fewer parameters
-    than the full model, both against backprop's test accuracy (for reference: the rule selects on validation
-    accuracy, within 0.5 pt of the best exit, never on test accuracy)."""
-    by = {(r["model"], r["budget_bytes"], r["method"]): r for r in rows}
+def compact_exits(per_seed: list[dict]) -> list[dict]:
+    """Per NeuroFlux run (model, budget, seed): the exit the rule chose, and the largest exit with >= 10x fewer
+    parameters than the full model, both against backprop's test accuracy in the same seed (for reference: the
+    rule selects on validation accuracy, within 0.5 pt of the best exit, never on test accuracy)."""
+    by = {(r["model"], r["budget_bytes"], r["seed"], r["method"]): r for r in per_seed}
     out = []
-    for r in rows:
+    for r in per_seed:
         if r["method"] != "NeuroFlux" or not r.get("exits"):
             continue
-        full, bp = r["full_params"], by.get((r["model"], r["budget_bytes"], "backprop"))
+        full, bp = r["full_params"], by.get((r["model"], r["budget_bytes"], r["seed"], "backprop"))
         ten = ([e for e in r["exits"] if full / e["params"] >= 10] or [None])[-1]
         chosen = next(e for e in r["exits"] if e["unit"] == r["exit"])
-        out.append({"model": r["model"], "budget_bytes": r["budget_bytes"],
+        out.append({"model": r["model"], "budget_bytes": r["budget_bytes"], "seed": r["seed"],
                     "backprop_test_acc": bp["test_acc"] if bp and bp["feasible"] else None,
                     "chosen_exit": chosen["name"], "chosen_reduction": full / chosen["params"],
                     "chosen_val_acc": chosen["val_acc"], "chosen_test_acc": chosen["test_acc"],
@@ -256,137 +262,200 @@ def compact_exits(rows: list[dict]) -> list[dict]:
     return out
 
 
-def targets(rows: list[dict], speedups: list[dict]) -> list[dict]:
-    """The issue's targets (the paper's headline results) against this run's figures."""
+PER_SEED = ("time_to_target_s", "test_acc", "test_acc_at_fixed_time", "fixed_time_s", "train_time_s", "samples_per_s")
+
+
+def summarise(per_seed: list[dict]) -> list[dict]:
+    """One row per model, budget and method over its seeds: PER_SEED's mean and 95% half-width (a mean time to
+    target is over the seeds that reached it: n_reached), the largest measured peak (the figure a budget is held
+    against), feasible only when every seed was, the first feasible seed's batches and every seed's."""
+    rows = over_seeds([{k: v for k, v in r.items() if k not in ("curve", "exits")} for r in per_seed],
+                      ("model", "budget_bytes", "method"), PER_SEED)
+    for row in rows:
+        group = [r for r in per_seed if (r["model"], r["budget_bytes"], r["method"]) ==
+                 (row["model"], row["budget_bytes"], row["method"])]
+        ok = [r for r in group if r["feasible"]]
+        row.update(feasible=len(ok) == len(group), n_feasible=len(ok),
+                   peak_bytes=max((r["peak_bytes"] for r in ok), default=None),
+                   within_budget=all(r["within_budget"] for r in ok) if ok else None,
+                   n_reached=sum(r["time_to_target_s"] is not None for r in ok),
+                   batch_sizes=ok[0]["batch_sizes"] if ok else None,
+                   batch_sizes_per_seed=[r.get("batch_sizes") for r in group],
+                   params_per_seed=[r["params"] for r in group])
+    return rows
+
+
+def judged_speedup(entry: dict, method: str) -> float | None:
+    """The speed-up over `method` in one seed that a ">= x" claim may count: the exact ratio; where `method`
+    never reached the target, its whole time over NeuroFlux's (a lower bound); 0 where NeuroFlux never reached it;
+    None where `method` could not run at the budget or was not run."""
+    if not entry.get(f"{method}_feasible"):
+        return None
+    if entry["neuroflux_to_target_s"] is None:
+        return 0.0
+    exact = entry.get(f"speedup_vs_{method}")
+    return exact if exact is not None else entry[f"speedup_vs_{method}_at_least"]
+
+
+def targets(per_seed: list[dict], speedups: list[dict], target_acc: float) -> list[dict]:
+    """The paper's headline results against the per-seed figures, each a bench.common.target judged by the 95%
+    interval over seeds (accuracy gaps in points)."""
     out = []
-    by = {(r["model"], r["budget_bytes"], r["method"]): r for r in rows}
-    for model in dict.fromkeys(r["model"] for r in rows):
-        below = [b for (m, b, meth), r in by.items() if m == model and meth == "backprop" and not r["feasible"]]
-        trains = [b for b in below if by[(model, b, "NeuroFlux")]["feasible"]]
-        out.append({"target": f"{model}: trains where backprop cannot (below its batch-1 minimum)",
-                    "measured": ", ".join(f"NeuroFlux at {format_bytes(b)}" for b in trains) or "no such budget run",
-                    "met": bool(trains)})
-    for e in speedups:
-        where = f"{e['model']} at {format_bytes(e['budget_bytes'])}"
+    for model, budget in dict.fromkeys((r["model"], r["budget_bytes"]) for r in per_seed):
+        at = dict(model=model, budget=format_bytes(budget))
+        runs = {m: [r for r in per_seed if (r["model"], r["budget_bytes"], r["method"]) == (model, budget, m)]
+                for m in METHODS.values()}
+        nf, bp = runs["NeuroFlux"], runs["backprop"]
+        if bp and not any(r["feasible"] for r in bp):
+            out.append(target("trains where backprop cannot (below its batch-1 minimum): NeuroFlux's final test "
+                              "accuracy", target_acc, [r["test_acc"] if r["feasible"] else 0.0 for r in nf], **at))
         for method, bar in (("backprop", 2.3), ("classic_LL", 3.3)):
-            exact, bound = e.get(f"speedup_vs_{method}"), e.get(f"speedup_vs_{method}_at_least")
-            other = by.get((e["model"], e["budget_bytes"], method.replace("_", " ")))
-            if other is None:   # a method this run left out (--methods)
-                continue
-            if not other["feasible"]:
-                measured, met = f"{method.replace('_', ' ')} cannot run at this budget", None
-            elif e["neuroflux_to_target_s"] is None:
-                measured, met = "NeuroFlux did not reach the target", False
-            elif exact is not None:
-                measured, met = f"x{exact:.2f}", exact >= bar
-            elif bound is not None:   # the other method never reached the target: only a lower bound
-                measured, met = f"x{bound:.2f} at least (never reached the target)", True if bound >= bar else "not shown"
-            else:
-                measured, met = "no time to target", None
-            out.append({"target": f"time to target >= {bar}x faster than {method.replace('_', ' ')} ({where})",
-                        "measured": measured, "met": met})
-        nf, bp = (by.get((e["model"], e["budget_bytes"], m)) for m in ("NeuroFlux", "backprop"))
-        if bp and nf["feasible"] and bp["feasible"]:
-            reduction, gap = bp["params"] / nf["params"], bp["test_acc"] - nf["test_acc"]
-            out.append({"target": f"compact model >= 10x fewer parameters, test acc within 1 point of backprop ({where})",
-                        "measured": f"{reduction:.1f}x fewer ({nf['params']:,} vs {bp['params']:,}); test acc "
-                                    f"{nf['test_acc']:.4f} vs backprop {bp['test_acc']:.4f}",
-                        "met": reduction >= 10 and gap <= 0.01})
-    over = [r for r in rows if r["feasible"] and not r["within_budget"]]
-    out.append({"target": "measured peak <= budget in every block of every run",
-                "measured": f"{sum(r['feasible'] for r in rows)} runs, {len(over)} over budget", "met": not over})
+            values = [v for e in speedups if (e["model"], e["budget_bytes"]) == (model, budget)
+                      if (v := judged_speedup(e, method)) is not None]
+            if values:
+                out.append(target(f"time to target, speed-up over {method.replace('_', ' ')} (x)", bar, values, **at))
+        if bp and all(r["feasible"] for r in bp + nf):
+            exits = [c for c in compact_exits(nf) if c["budget_bytes"] == budget]
+            gap = {c["seed"]: 100 * c["chosen_test_acc"] for c in exits}
+            out += [target("compact model: the chosen exit's parameters, x fewer than the full model", 10,
+                           [c["chosen_reduction"] for c in exits], **at),
+                    target("compact model: the chosen exit's test accuracy minus backprop's (points)", -1,
+                           [gap[r["seed"]] - 100 * r["test_acc"] for r in bp], **at)]
+            if all(c["exit_10x"] for c in exits):
+                ten = {c["seed"]: 100 * c["exit_10x_test_acc"] for c in exits}
+                out.append(target("compact model: the largest exit with >= 10x fewer parameters, its test accuracy "
+                                  "minus backprop's (points)", -1, [ten[r["seed"]] - 100 * r["test_acc"] for r in bp],
+                                  **at))
+    over = max(r["peak_bytes"] - r["budget_bytes"] for r in per_seed if r["feasible"])
+    out.append(target("largest measured peak minus its budget, every block of every run (bytes)", 0, [over],
+                      exact=True, at_most=True, model="every model", budget="every budget"))
     return out
 
 
-def write(rows: list[dict], speedups: list[dict], args, notes: str, settings: dict | list | None = None,
+def write(per_seed: list[dict], per_seed_speedups: list[dict], args, notes: str, settings: dict | list | None = None,
           combined_from: list[dict] | None = None) -> None:
-    """Results, tables and plot. settings: the flags that made the rows (default: this run's);
+    """Results over seeds, tables and plots. settings: the flags that made the rows (default: this run's);
     combined_from: the command and machine of each run whose rows these are (--combine)."""
     result = BenchResult()
-    result.rows = rows
+    result.rows = rows = summarise(per_seed)
+    seeds = sorted({r["seed"] for r in per_seed})
     md_rows = [{**r, "budget": format_bytes(r["budget_bytes"]),
-                "peak": format_bytes(r["peak_bytes"]) if r.get("peak_bytes") else "infeasible"} for r in rows]
-    result.add_section(f"Speed-ups to {args.target_acc:.0%} test accuracy (time ratio, same budget, same process)",
-                       speedups)
-    exits = compact_exits(rows)
+                "peak": format_bytes(r["peak_bytes"]) if r["peak_bytes"] else "infeasible",
+                "to_target": pm(r, "time_to_target_s") + (f" ({r['n_reached']} of {r['n_seeds']} reached)"
+                                                          if r["feasible"] else ""),
+                "acc": pm(r, "test_acc"), "fixed": pm(r, "test_acc_at_fixed_time"), "sps": pm(r, "samples_per_s"),
+                "params": ", ".join(f"{p:,}" for p in r["params_per_seed"] if p)} for r in rows]
+    speedups = over_seeds([{**e, **{f"judged_vs_{m}": judged_speedup(e, m) for m in ("backprop", "classic_LL")}}
+                           for e in per_seed_speedups], ("model", "budget_bytes"),
+                          ("neuroflux_to_target_s", "judged_vs_backprop", "judged_vs_classic_LL"))
+    result.add_section(
+        f"Speed-ups to {args.target_acc:.0%} test accuracy over seeds (time ratio, same budget, same process; a seed "
+        "where the other method never reached the target counts its whole time, a lower bound; one where NeuroFlux "
+        "never did counts 0)",
+        [{"model": e["model"], "budget": format_bytes(e["budget_bytes"]), "nf": pm(e, "neuroflux_to_target_s"),
+          "bp": pm(e, "judged_vs_backprop"), "classic": pm(e, "judged_vs_classic_LL"), "seeds": e["n_seeds"]}
+         for e in speedups],
+        {"model": "model", "budget": "budget", "nf": "NeuroFlux s to target", "bp": "x vs backprop",
+         "classic": "x vs classic LL", "seeds": "seeds"})
+    exits = compact_exits(per_seed)
     if exits:
-        result.add_section("NeuroFlux exits: the one chosen (fewest parameters within 0.5 pt of the best validation "
-                           "accuracy) and the largest with >= 10x fewer parameters than the full model", exits,
-                           {"model": "model", "budget_bytes": "budget bytes", "backprop_test_acc": "backprop test acc",
-                            "chosen_exit": "chosen exit", "chosen_reduction": "x fewer params",
-                            "chosen_val_acc": "val acc", "chosen_test_acc": "test acc",
-                            "best_val_acc": "best exit's val acc", "exit_10x": "largest >= 10x exit",
-                            "exit_10x_reduction": "x fewer params", "exit_10x_val_acc": "val acc",
-                            "exit_10x_test_acc": "test acc"})
-    verdict = {True: "met", False: "MISSED", None: "n/a"}
-    goals = targets(rows, speedups)
-    result.add_section("Targets (the issue's, from the paper's headline results)",
-                       [{**t, "met": verdict.get(t["met"], t["met"])} for t in goals])
-    columns = {"model": "model", "method": "method", "budget": "budget", "peak": "measured peak",
-               "batch_sizes": "batch per block", "time_to_target_s": f"s to {args.target_acc:.0%}",
-               "test_acc": "final test acc", "test_acc_at_fixed_time": "test acc at fixed time",
-               "fixed_time_s": "fixed time s", "samples_per_s": "training samples/s", "params": "params (output model)",
-               "within_budget": "peak <= budget"}
+        result.add_section("NeuroFlux exits per seed: the one chosen (fewest parameters within 0.5 pt of the best "
+                           "validation accuracy) and the largest with >= 10x fewer parameters than the full model",
+                           exits, {"model": "model", "budget_bytes": "budget bytes", "seed": "seed",
+                                   "backprop_test_acc": "backprop test acc", "chosen_exit": "chosen exit",
+                                   "chosen_reduction": "x fewer params", "chosen_val_acc": "val acc",
+                                   "chosen_test_acc": "test acc", "best_val_acc": "best exit's val acc",
+                                   "exit_10x": "largest >= 10x exit", "exit_10x_reduction": "x fewer params",
+                                   "exit_10x_val_acc": "val acc", "exit_10x_test_acc": "test acc"})
+    goals = targets(per_seed, per_seed_speedups, args.target_acc)
+    result.add_section("Targets (the paper's headline results; verdicts by the 95% interval over seeds)", goals,
+                       ("model", "budget", *TARGET_COLUMNS))
+    columns = {"model": "model", "method": "method", "budget": "budget", "peak": "largest measured peak",
+               "batch_sizes": "batch per block (first seed)", "to_target": f"s to {args.target_acc:.0%}",
+               "acc": "final test acc", "fixed": "test acc at fixed time", "sps": "training samples/s",
+               "params": "params (output model, per seed)", "within_budget": "peak <= budget"}
     result.write(args.name, args.out, title="NeuroFlux vs backprop vs classic local learning at equal budgets",
                  columns=columns, md_rows=md_rows, notes=notes,
-                 extra={"speedups": speedups, "targets": goals, "compact_exits": exits, "combined_from": combined_from,
+                 extra={"n_seeds": len(seeds), "seeds": seeds, "per_seed": per_seed, "speedups": speedups,
+                        "per_seed_speedups": per_seed_speedups, "targets": goals, "compact_exits": exits,
+                        "combined_from": combined_from,
                         "settings": settings or {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}})
-    plot(rows, args.out / f"{args.name}.png", args.target_acc)
-    plot_exits(rows, args.out / f"{args.name}_exits.png")
+    plot(per_seed, args.out / f"{args.name}.png", args.target_acc)
+    plot_exits(per_seed, args.out / f"{args.name}_exits.png")
     print(f"wrote {args.out / args.name}.json, .md, .png and {args.name}_exits.png")
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    if args.combine:
-        parts = [json.loads(Path(p).read_text()) for p in args.combine]
-        rows = [r for part in parts for r in part["rows"]]
-        speedups = [e for part in parts for e in part["speedups"]]
-        notes = " | ".join(f"{part['command']}: {part['notes']}" for part in parts)
-        settings = [part["settings"] for part in parts]
-        targets_acc = {s["target_acc"] for s in settings}
-        if len(targets_acc) != 1:
-            raise SystemExit(f"cannot combine runs with different --target-acc: {sorted(targets_acc)}")
-        args.target_acc = targets_acc.pop()
-        return write(rows, speedups, args, notes, settings=settings[0] if len(settings) == 1 else settings,
-                     combined_from=[{"command": part["command"], "machine": part["machine"]} for part in parts])
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    data = prepare(load_raw("fashion-mnist"), image_size=32, val_fraction=0.1, seed=0, split_by="data")
-    test_limit = args.eval_samples if args.test_samples is None else (args.test_samples or None)
-    splits = {"train": tensors(data, "target_train", limit=args.train_samples),
-              "val": tensors(data, "target_val", limit=args.eval_samples),
-              "test": tensors(data, "target_test", limit=test_limit)}
+def combine(args) -> None:
+    """Merge runs over different models or seeds into one result over every seed."""
+    parts = [json.loads(Path(p).read_text()) for p in args.combine]
+    per_seed = [r for part in parts for r in part["per_seed"]]
+    runs = [(r["model"], r["seed"], r["budget_bytes"], r["method"]) for r in per_seed]
+    twice = sorted({run[:2] for run in runs if runs.count(run) > 1})
+    if twice:
+        raise SystemExit(f"--combine: model and seed {twice} appear in more than one part; pass each run once")
+    targets_acc = {part["settings"]["target_acc"] for part in parts}
+    if len(targets_acc) != 1:
+        raise SystemExit(f"cannot combine runs with different --target-acc: {sorted(targets_acc)}")
+    args.target_acc = targets_acc.pop()
+    settings = [part["settings"] for part in parts]
+    write(per_seed, [e for part in parts for e in part["per_seed_speedups"]], args,
+          " | ".join(f"{part['command']}: {part['notes']}" for part in parts),
+          settings=settings[0] if len(settings) == 1 else settings,
+          combined_from=[{"command": part["command"], "machine": part["machine"]} for part in parts])
+
+
+def run_seed(args, seed: int, data, splits) -> tuple[list[dict], list[dict]]:
+    """Every model and budget under one seed (the weights, the auxiliary heads, the data order): its rows and
+    speed-up entries, each with the seed."""
+    torch.manual_seed(seed)
     opts = NeuroFluxParams(epochs=args.epochs, lr=0.05, momentum=0.9, weight_decay=5e-4, evals_per_epoch=2,
-                           seed=args.seed, lr_scaling=args.lr_scaling, lr_reference_batch=32)
+                           seed=seed, lr_scaling=args.lr_scaling, lr_reference_batch=32)
     rows, speedups = [], []
-    started = time.perf_counter()
     for name in args.models:
         spec = dict(name=name, num_classes=len(data.classes), in_channels=1, width=args.width, image_size=32,
-                    batch_norm=True, seed=args.seed)
+                    batch_norm=True, seed=seed)
         bp_min = measure_training_peak(build_model(**spec), optimizer_factory(opts), (1, 32, 32), spec["num_classes"],
                                        1, data=splits["train"], device=args.device).peak_bytes
         budgets = [int(mib * MiB) for mib in args.budgets_mib] if args.budgets_mib else \
             [int(frac * bp_min) for frac in args.budgets]
         for budget in budgets:
-            print(f"{name} w{args.width:g}: budget {format_bytes(budget)} ({budget / bp_min:.2f} x backprop's batch-1 "
-                  f"minimum {format_bytes(bp_min)}) on {args.device}", flush=True)
+            print(f"seed {seed}, {name} w{args.width:g}: budget {format_bytes(budget)} ({budget / bp_min:.2f} x "
+                  f"backprop's batch-1 minimum {format_bytes(bp_min)}) on {args.device}", flush=True)
             runs = [run_local(spec, splits, opts, budget, args, classic=False)]
             if "backprop" in args.methods:
                 runs.append(run_backprop(spec, splits, opts, budget, args))
             if "classic" in args.methods:
                 runs.append(run_local(spec, splits, opts, budget, args, classic=True))
-            rows += budget_rows(runs, f"{name}-w{args.width:g}", budget, budget / bp_min, args.target_acc)
-            speedups.append(speedup_entry(runs, spec, f"{name}-w{args.width:g}", budget, args.target_acc))
+            model = f"{name}-w{args.width:g}"
+            rows += [{**r, "seed": seed} for r in budget_rows(runs, model, budget, budget / bp_min, args.target_acc)]
+            speedups.append({**speedup_entry(runs, spec, model, budget, args.target_acc), "seed": seed})
+    return rows, speedups
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.combine:
+        return combine(args)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    data = prepare(load_raw("fashion-mnist"), image_size=32, val_fraction=0.1, seed=0, split_by="data")
+    splits = {"train": tensors(data, "target_train", limit=args.train_samples),
+              "val": tensors(data, "target_val", limit=args.eval_samples),
+              "test": tensors(data, "target_test", limit=args.test_samples or None)}
+    per_seed, speedups = [], []
+    started = time.perf_counter()
+    for seed in seeds_of(args):
+        rows, entries = run_seed(args, seed, data, splits)
+        per_seed += rows
+        speedups += entries
     test_n = len(splits["test"][1])
-    write(rows, speedups, args, f"Fashion-MNIST target split, {args.train_samples} training images, {args.eval_samples} "
-          f"validation and {test_n} test images, {args.epochs} epochs per block/unit (backprop: {args.bp_epochs}), "
-          f"lr 0.05 at batch 32 scaled to each batch: NeuroFlux {args.lr_scaling}, backprop "
-          f"{args.bp_lr_scaling or args.lr_scaling}, classic LL constant and "
-          f"capped at {args.time_limit:g}s of training, seed {args.seed}, device {args.device}, torch threads "
-          f"{torch.get_num_threads()}; bench time {time.perf_counter() - started:.0f}s.")
+    write(per_seed, speedups, args, f"Fashion-MNIST target split, {args.train_samples} training images, "
+          f"{args.eval_samples} validation and {test_n} test images, {args.epochs} epochs per block/unit (backprop: "
+          f"{args.bp_epochs}), lr 0.05 at batch 32 scaled to each batch: NeuroFlux {args.lr_scaling}, backprop "
+          f"{args.bp_lr_scaling or args.lr_scaling}, classic LL constant and capped at {args.time_limit:g}s of "
+          f"training, seeds {seeds_of(args)}, device {args.device}, torch threads {torch.get_num_threads()}; bench "
+          f"time {time.perf_counter() - started:.0f}s.")
 
 
 def budget_rows(runs: list[dict], model: str, budget: int, frac: float, target: float) -> list[dict]:
@@ -421,6 +490,7 @@ def speedup_entry(runs: list[dict], spec: dict, model: str, budget: int, target:
     for r in runs[1:]:
         t = time_to(r["history"], target, r["offset"]) if r["feasible"] else None
         method = r["method"].replace(" ", "_")
+        entry[f"{method}_feasible"] = r["feasible"]
         entry[f"speedup_vs_{method}"] = t / nf_t if t and nf_t else None
         if r["feasible"] and nf_t and t is None:   # never reached the target: all its time is a lower bound
             entry[f"speedup_vs_{method}_at_least"] = (r["offset"] + r["train_time_s"]) / nf_t
