@@ -235,7 +235,10 @@ def add_seeds(parser: argparse.ArgumentParser, what: str = "weights, data order"
 
 
 def seeds_of(args: argparse.Namespace) -> list[int]:
-    """The seeds to run: --seeds as given, else three (one under --quick)."""
+    """The seeds to run: --seeds as given, else three (one under --quick). A seed given twice would count one run
+    as two in every interval: refused."""
+    if args.seeds is not None and len(set(args.seeds)) < len(args.seeds):
+        raise SystemExit(f"--seeds {' '.join(map(str, args.seeds))}: a seed is given twice; give each seed once")
     return args.seeds if args.seeds is not None else [0] if args.quick else [0, 1, 2]
 
 

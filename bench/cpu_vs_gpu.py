@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.common import RESULTS_DIR, markdown_table
+from bench.common import RESULTS_DIR, markdown_table, pm
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "cpu_vs_gpu.md"
 
@@ -51,9 +51,11 @@ def ceiling(result: dict | None, model: str) -> str:
 def neuroflux_cpu(result: dict | None) -> str:
     if not result:
         return "-"
-    s = pick(result["speedups"], model="vgg16-w0.25", budget_bytes=17533890) or result["speedups"][0]
+    s = pick(result["speedups"], model="vgg16-w0.25", budget_frac_of_bp_min=1.5)
+    if s is None or s.get("judged_vs_backprop") is None:
+        return "-"
     return (f"{s['model']} at {s['budget_bytes'] / 2**20:.1f} MiB (1.5x backprop's minimum): "
-            f"x{s['speedup_vs_backprop']:.2f} (one seed)")
+            f"x{pm(s, 'judged_vs_backprop', digits=3)} (mean ± 95% interval, {s['n_seeds']} seeds)")
 
 
 def neuroflux_gpu(result: dict | None) -> str:

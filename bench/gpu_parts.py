@@ -350,7 +350,7 @@ def plot_neuroflux(runs: list[dict], path, target: float, colors: dict) -> None:
     for ax, budget in zip(axes[0], budgets):
         labelled = set()
         for run in runs:
-            for r in run["rows"]:
+            for r in run.get("per_seed", run["rows"]):     # a seed's curves (older seed files: in its rows)
                 if r["budget_bytes"] != budget or not r.get("curve"):
                     continue
                 t, acc = zip(*r["curve"])

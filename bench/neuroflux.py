@@ -326,19 +326,26 @@ def targets(per_seed: list[dict], speedups: list[dict], target_acc: float) -> li
                 out.append(target("compact model: the largest exit with >= 10x fewer parameters, its test accuracy "
                                   "minus backprop's (points)", -1, [ten[r["seed"]] - 100 * r["test_acc"] for r in bp],
                                   **at))
-    over = max(r["peak_bytes"] - r["budget_bytes"] for r in per_seed if r["feasible"])
-    out.append(target("largest measured peak minus its budget, every block of every run (bytes)", 0, [over],
-                      exact=True, at_most=True, model="every model", budget="every budget"))
+    over = [r["peak_bytes"] - r["budget_bytes"] for r in per_seed if r["feasible"]]
+    if over:
+        out.append(target("largest measured peak minus its budget, every block of every run (bytes)", 0, [max(over)],
+                          exact=True, at_most=True, model="every model", budget="every budget"))
     return out
 
 
-def write(per_seed: list[dict], per_seed_speedups: list[dict], args, notes: str, settings: dict | list | None = None,
+def write(per_seed: list[dict], args, notes: str, settings: dict | list | None = None,
           combined_from: list[dict] | None = None) -> None:
     """Results over seeds, tables and plots. settings: the flags that made the rows (default: this run's);
     combined_from: the command and machine of each run whose rows these are (--combine)."""
+    budgets: dict[tuple, set] = {}
+    for r in per_seed:
+        budgets.setdefault((r["model"], r["budget_frac_of_bp_min"]), set()).add(r["budget_bytes"])
+    if split := {k: sorted(v) for k, v in budgets.items() if len(v) > 1}:
+        raise SystemExit(f"the seeds measured different budgets for one model and fraction {split}: their rows "
+                         "cannot be averaged; rerun them on one machine and torch")
     result = BenchResult()
     result.rows = rows = summarise(per_seed)
-    seeds = sorted({r["seed"] for r in per_seed})
+    seeds, per_seed_speedups = sorted({r["seed"] for r in per_seed}), speedup_entries(per_seed)
     md_rows = [{**r, "budget": format_bytes(r["budget_bytes"]),
                 "peak": format_bytes(r["peak_bytes"]) if r["peak_bytes"] else "infeasible",
                 "to_target": pm(r, "time_to_target_s") + (f" ({r['n_reached']} of {r['n_seeds']} reached)"
@@ -347,7 +354,8 @@ def write(per_seed: list[dict], per_seed_speedups: list[dict], args, notes: str,
                 "params": ", ".join(f"{p:,}" for p in r["params_per_seed"] if p)} for r in rows]
     speedups = over_seeds([{**e, **{f"judged_vs_{m}": judged_speedup(e, m) for m in ("backprop", "classic_LL")}}
                            for e in per_seed_speedups], ("model", "budget_bytes"),
-                          ("neuroflux_to_target_s", "judged_vs_backprop", "judged_vs_classic_LL"))
+                          ("neuroflux_to_target_s", "speedup_vs_backprop", "speedup_vs_classic_LL",
+                           "judged_vs_backprop", "judged_vs_classic_LL"))
     result.add_section(
         f"Speed-ups to {args.target_acc:.0%} test accuracy over seeds (time ratio, same budget, same process; a seed "
         "where the other method never reached the target counts its whole time, a lower bound; one where NeuroFlux "
@@ -377,12 +385,15 @@ def write(per_seed: list[dict], per_seed_speedups: list[dict], args, notes: str,
     result.write(args.name, args.out, title="NeuroFlux vs backprop vs classic local learning at equal budgets",
                  columns=columns, md_rows=md_rows, notes=notes,
                  extra={"n_seeds": len(seeds), "seeds": seeds, "per_seed": per_seed, "speedups": speedups,
-                        "per_seed_speedups": per_seed_speedups, "targets": goals, "compact_exits": exits,
+                        "targets": goals, "compact_exits": exits,
                         "combined_from": combined_from,
                         "settings": settings or {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}})
     plot(per_seed, args.out / f"{args.name}.png", args.target_acc)
     plot_exits(per_seed, args.out / f"{args.name}_exits.png")
     print(f"wrote {args.out / args.name}.json, .md, .png and {args.name}_exits.png")
+
+
+PER_RUN = ("models", "seeds", "threads", "out", "name", "combine")   # the flags parts of one result may differ in
 
 
 def combine(args) -> None:
@@ -393,24 +404,24 @@ def combine(args) -> None:
     twice = sorted({run[:2] for run in runs if runs.count(run) > 1})
     if twice:
         raise SystemExit(f"--combine: model and seed {twice} appear in more than one part; pass each run once")
-    targets_acc = {part["settings"]["target_acc"] for part in parts}
-    if len(targets_acc) != 1:
-        raise SystemExit(f"cannot combine runs with different --target-acc: {sorted(targets_acc)}")
-    args.target_acc = targets_acc.pop()
     settings = [part["settings"] for part in parts]
-    write(per_seed, [e for part in parts for e in part["per_seed_speedups"]], args,
-          " | ".join(f"{part['command']}: {part['notes']}" for part in parts),
+    differ = sorted({k for one in settings for k, v in one.items() if k not in PER_RUN and v != settings[0].get(k)})
+    if differ:
+        raise SystemExit(f"--combine: the parts were run with different {', '.join(differ)}; combine runs of one "
+                         "setting (they may differ only in --models, --seeds and --threads)")
+    args.target_acc = settings[0]["target_acc"]
+    write(per_seed, args, " | ".join(f"{part['command']}: {part['notes']}" for part in parts),
           settings=settings[0] if len(settings) == 1 else settings,
           combined_from=[{"command": part["command"], "machine": part["machine"]} for part in parts])
 
 
-def run_seed(args, seed: int, data, splits) -> tuple[list[dict], list[dict]]:
-    """Every model and budget under one seed (the weights, the auxiliary heads, the data order): its rows and
-    speed-up entries, each with the seed."""
+def run_seed(args, seed: int, data, splits) -> list[dict]:
+    """Every model and budget under one seed (the weights, the auxiliary heads, the data order): its rows, each
+    with the seed."""
     torch.manual_seed(seed)
     opts = NeuroFluxParams(epochs=args.epochs, lr=0.05, momentum=0.9, weight_decay=5e-4, evals_per_epoch=2,
                            seed=seed, lr_scaling=args.lr_scaling, lr_reference_batch=32)
-    rows, speedups = [], []
+    rows = []
     for name in args.models:
         spec = dict(name=name, num_classes=len(data.classes), in_channels=1, width=args.width, image_size=32,
                     batch_norm=True, seed=seed)
@@ -428,8 +439,7 @@ def run_seed(args, seed: int, data, splits) -> tuple[list[dict], list[dict]]:
                 runs.append(run_local(spec, splits, opts, budget, args, classic=True))
             model = f"{name}-w{args.width:g}"
             rows += [{**r, "seed": seed} for r in budget_rows(runs, model, budget, budget / bp_min, args.target_acc)]
-            speedups.append({**speedup_entry(runs, spec, model, budget, args.target_acc), "seed": seed})
-    return rows, speedups
+    return rows
 
 
 def main(argv=None) -> None:
@@ -443,14 +453,10 @@ def main(argv=None) -> None:
     splits = {"train": tensors(data, "target_train", limit=args.train_samples),
               "val": tensors(data, "target_val", limit=args.eval_samples),
               "test": tensors(data, "target_test", limit=args.test_samples or None)}
-    per_seed, speedups = [], []
     started = time.perf_counter()
-    for seed in seeds_of(args):
-        rows, entries = run_seed(args, seed, data, splits)
-        per_seed += rows
-        speedups += entries
+    per_seed = [r for seed in seeds_of(args) for r in run_seed(args, seed, data, splits)]
     test_n = len(splits["test"][1])
-    write(per_seed, speedups, args, f"Fashion-MNIST target split, {args.train_samples} training images, "
+    write(per_seed, args, f"Fashion-MNIST target split, {args.train_samples} training images, "
           f"{args.eval_samples} validation and {test_n} test images, {args.epochs} epochs per block/unit (backprop: "
           f"{args.bp_epochs}), lr 0.05 at batch 32 scaled to each batch: NeuroFlux {args.lr_scaling}, backprop "
           f"{args.bp_lr_scaling or args.lr_scaling}, classic LL constant and capped at {args.time_limit:g}s of "
@@ -482,23 +488,27 @@ def budget_rows(runs: list[dict], model: str, budget: int, frac: float, target: 
     return rows
 
 
-def speedup_entry(runs: list[dict], spec: dict, model: str, budget: int, target: float) -> dict:
-    """NeuroFlux's time to the target against every other method's at one budget."""
-    nf = runs[0]
-    nf_t = time_to(nf["history"], target, nf["offset"]) if nf["feasible"] else None
-    entry = {"model": model, "budget_bytes": budget, "neuroflux_to_target_s": nf_t}
-    for r in runs[1:]:
-        t = time_to(r["history"], target, r["offset"]) if r["feasible"] else None
-        method = r["method"].replace(" ", "_")
-        entry[f"{method}_feasible"] = r["feasible"]
-        entry[f"speedup_vs_{method}"] = t / nf_t if t and nf_t else None
-        if r["feasible"] and nf_t and t is None:   # never reached the target: all its time is a lower bound
-            entry[f"speedup_vs_{method}_at_least"] = (r["offset"] + r["train_time_s"]) / nf_t
-    bp = next((r for r in runs if r["method"] == "backprop"), None)
-    entry["param_reduction_vs_full"] = (bp["params"] / nf["params"]) if nf["feasible"] and bp and bp["feasible"] \
-        else (count_params(build_model(**spec)) / nf["params"] if nf["feasible"] else None)
-    return entry
-
+def speedup_entries(per_seed: list[dict]) -> list[dict]:
+    """Per model, budget and seed, from the per-seed rows: NeuroFlux's time to the target against every other
+    method's (their ratio; where the other never reached it, its whole time, profiling included, over NeuroFlux's:
+    a lower bound) and the output model's parameters against the full model's."""
+    out = []
+    for nf in (r for r in per_seed if r["method"] == "NeuroFlux"):
+        nf_t = nf["time_to_target_s"] if nf["feasible"] else None
+        entry = {k: nf[k] for k in ("model", "budget_bytes", "budget_frac_of_bp_min", "seed")}
+        entry["neuroflux_to_target_s"] = nf_t
+        for r in per_seed:
+            if r["method"] == "NeuroFlux" or (r["model"], r["budget_bytes"], r["seed"]) != \
+                    (nf["model"], nf["budget_bytes"], nf["seed"]):
+                continue
+            method, t = r["method"].replace(" ", "_"), r["time_to_target_s"] if r["feasible"] else None
+            entry[f"{method}_feasible"] = r["feasible"]
+            entry[f"speedup_vs_{method}"] = t / nf_t if t is not None and nf_t else None
+            if r["feasible"] and nf_t and t is None:
+                entry[f"speedup_vs_{method}_at_least"] = r["train_time_s"] / nf_t
+        entry["param_reduction_vs_full"] = nf["full_params"] / nf["params"] if nf["feasible"] else None
+        out.append(entry)
+    return out
 
 if __name__ == "__main__":
     main()

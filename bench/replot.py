@@ -49,8 +49,8 @@ def _elastic(d: dict, out: Path) -> None:
 def _neuroflux(d: dict, out: Path) -> None:
     from bench.neuroflux import plot, plot_exits
     settings = d["settings"][0] if isinstance(d["settings"], list) else d["settings"]
-    plot(d["rows"], out / "neuroflux.png", settings["target_acc"])
-    plot_exits(d["rows"], out / "neuroflux_exits.png")
+    plot(d["per_seed"], out / "neuroflux.png", settings["target_acc"])
+    plot_exits(d["per_seed"], out / "neuroflux_exits.png")
 
 
 def _pipeline(d: dict, out: Path) -> None:

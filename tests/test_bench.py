@@ -1,4 +1,5 @@
 """The benchmark harness in quick mode writes its JSON and markdown side by side, with real figures."""
+import argparse
 import importlib.machinery
 import json
 import os
@@ -140,8 +141,7 @@ def test_neuroflux_quick_compares_three_methods_at_equal_budgets(tmp_path):
     # --combine re-renders a run without losing what made it, and merges seeds: a second seed (here the same
     # figures again) gives every mean its interval; a run passed twice is refused
     again, other = tmp_path / "again", tmp_path / "seed1.json"
-    other.write_text(json.dumps({**result, "per_seed": [{**r, "seed": 1} for r in runs],
-                                 "per_seed_speedups": [{**e, "seed": 1} for e in result["per_seed_speedups"]]}))
+    other.write_text(json.dumps({**result, "per_seed": [{**r, "seed": 1} for r in runs]}))
     combine = [sys.executable, "-m", "bench.neuroflux", "--out", str(again), "--combine", str(tmp_path / "neuroflux.json")]
     subprocess.run(combine, cwd=REPO, check=True, capture_output=True, text=True, timeout=300)
     combined = json.loads((again / "neuroflux.json").read_text())
@@ -156,10 +156,25 @@ def test_neuroflux_quick_compares_three_methods_at_equal_budgets(tmp_path):
     twice = subprocess.run([*combine, str(tmp_path / "neuroflux.json")], cwd=REPO, capture_output=True, text=True,
                            timeout=300)
     assert twice.returncode != 0 and "more than one part" in twice.stderr
+    longer = tmp_path / "longer.json"       # another setting's run: its figures are not the same experiment's
+    longer.write_text(json.dumps({**json.loads(other.read_text()), "settings": {**result["settings"], "epochs": 9}}))
+    mixed = subprocess.run([*combine, str(longer)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert mixed.returncode != 0 and "different epochs" in mixed.stderr
 
 
 def test_neuroflux_speedup_a_claim_may_count():
-    from bench.neuroflux import judged_speedup
+    from bench.common import seeds_of
+    from bench.neuroflux import judged_speedup, speedup_entries
+    # from the per-seed rows: a local run's train_time_s already holds its profiling, counted once
+    at = {"model": "m", "budget_bytes": 100, "budget_frac_of_bp_min": 1.5, "seed": 0}
+    rows = [{**at, "method": "NeuroFlux", "feasible": True, "time_to_target_s": 10.0, "params": 10, "full_params": 120},
+            {**at, "method": "backprop", "feasible": True, "time_to_target_s": 25.0, "train_time_s": 60.0},
+            {**at, "method": "classic LL", "feasible": True, "time_to_target_s": None, "train_time_s": 300.0}]
+    [entry] = speedup_entries(rows)
+    assert (entry["speedup_vs_backprop"], entry["speedup_vs_classic_LL_at_least"]) == (2.5, 30.0)
+    assert entry["param_reduction_vs_full"] == 12 and judged_speedup(entry, "classic_LL") == 30.0
+    with pytest.raises(SystemExit, match="given twice"):    # one run would count twice in every interval
+        seeds_of(argparse.Namespace(seeds=[0, 0], quick=False))
     both = {"neuroflux_to_target_s": 10.0, "backprop_feasible": True, "speedup_vs_backprop": 2.5}
     assert judged_speedup(both, "backprop") == 2.5
     never = {"neuroflux_to_target_s": 10.0, "backprop_feasible": True, "speedup_vs_backprop": None,
