@@ -384,7 +384,8 @@ def write(per_seed: list[dict], args, notes: str, settings: dict | list | None =
                "params": "params (output model, per seed)", "within_budget": "peak <= budget"}
     result.write(args.name, args.out, title="NeuroFlux vs backprop vs classic local learning at equal budgets",
                  columns=columns, md_rows=md_rows, notes=notes,
-                 extra={"n_seeds": len(seeds), "seeds": seeds, "per_seed": per_seed, "speedups": speedups,
+                 extra={"n_seeds": min(r["n_seeds"] for r in rows),    # the fewest seeds any row has
+                        "seeds": seeds, "per_seed": per_seed, "speedups": speedups,
                         "targets": goals, "compact_exits": exits,
                         "combined_from": combined_from,
                         "settings": settings or {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}})
