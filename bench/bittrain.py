@@ -325,10 +325,11 @@ TRAIN_METRICS = ("peak_bytes", "forward_live_bytes", "saved_bytes_measured", "de
                  "page_faults_per_step")
 
 
-def plot_panels(rows: list[dict], batch: int, acc_steps: int) -> list[BarPanel]:
+def plot_panels(rows: list[dict], per_acc: list[dict], batch: int, acc_steps: int) -> list[BarPanel]:
     """Saved activation bytes per unit, plain vs stored per variant, for each model at the main width and
     batch (the paper's Figure 9; the first seed's batch), and test accuracy per variant with its 95% interval
-    over seeds (its Figure 10). rows: the results' rows (Table 1, training steps and accuracy, over seeds)."""
+    over seeds (its Figure 10). rows: the results' rows (Table 1, training steps and accuracy, over seeds);
+    per_acc: each seed's accuracy rows (the dots)."""
     train = [r for r in rows if r["part"] == "train"]
     acc = [r for r in rows if r["part"] == "accuracy"]
     panels = []
@@ -346,7 +347,8 @@ def plot_panels(rows: list[dict], batch: int, acc_steps: int) -> list[BarPanel]:
         panels.append(BarPanel(f"test accuracy after {acc_steps} steps (batch {batch}): mean of {seeds} seed(s), "
                                "dots: each seed", [f"{r['model']}\n{r['variant']}" for r in acc],
                                {"test accuracy": [r["test_accuracy"] for r in acc]}, ylabel="test accuracy", scale=1,
-                               points={"test accuracy": [r.get("test_accuracy_per_seed", []) for r in acc]}))
+                               points={"test accuracy": [_per_seed(per_acc, "test_accuracy", 1.0, model=r["model"],
+                                                                    variant=r["variant"]) for r in acc]}))
     return panels
 
 
@@ -527,7 +529,6 @@ def main(argv=None) -> None:
     train = over_seeds(per_train, ("model", "width", "batch", "variant"), TRAIN_METRICS)
     acc = over_seeds(per_acc, ("model", "variant"), ("test_accuracy", "acc_delta_points", "train_seconds"))
     for r in acc:
-        r["test_accuracy_per_seed"] = _per_seed(per_acc, "test_accuracy", 1.0, model=r["model"], variant=r["variant"])
         r["peak_bytes"] = next((t["peak_bytes"] for t in train if (t["model"], t["variant"], t["width"], t["batch"])
                                 == (r["model"], r["variant"], r["width"], r["batch"])), None)
 
@@ -550,7 +551,7 @@ def main(argv=None) -> None:
     if args.malloc == "retain":   # malloc changes neither bytes nor accuracy: its figure would be bittrain.png again
         name, title = f"{NAME}_retain", title + " (glibc malloc keeps freed heap memory)"
     else:
-        plot_bar_panels(plot_panels(result.rows, cfg["batch"], cfg["acc_steps"]), Path(args.out) / f"{name}.png",
+        plot_bar_panels(plot_panels(result.rows, per_acc, cfg["batch"], cfg["acc_steps"]), Path(args.out) / f"{name}.png",
                         title=title)
     notes = NOTES.replace("{png}", f"{NAME}.png") + (
         f"Seeds {seeds}; torch intra-op threads: {torch.get_num_threads()}; C++ kernel loaded: {kernel.available()}; "

@@ -155,7 +155,8 @@ class BenchResult:
         """Write <results_dir>/<name>.json and <name>.md; returns their paths.
 
         md_rows: what the markdown table shows (e.g. values converted to MiB); default: the rows.
-        extra: more top-level JSON fields (settings, fits, ...).
+        extra: more top-level JSON fields (settings, fits, ...). Every results file has a top-level n_seeds, how many
+        seeds its rows cover: 1 unless extra says more (a benchmark without --seeds measures one run).
         measured_by: {"machine", "command"} of the run that measured the rows, when they are written
         again elsewhere (re-rendered from its JSON); default: this machine and command.
         """
@@ -164,7 +165,7 @@ class BenchResult:
         info, command = (measured_by["machine"], measured_by["command"]) if measured_by else \
             (machine_info(), command_line())
         payload = {"benchmark": name, "title": title or name, "command": command, "machine": info,
-                   "rows": self.rows, "sections": self.sections, "notes": notes, **(extra or {})}
+                   "rows": self.rows, "sections": self.sections, "notes": notes, "n_seeds": 1, **(extra or {})}
         json_path, md_path = out / f"{name}.json", out / f"{name}.md"
         json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
 

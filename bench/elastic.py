@@ -40,6 +40,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
 from rich.logging import RichHandler
+from scipy.stats import spearmanr
 
 from bench.common import (TARGET_COLUMNS, BenchResult, HelpFormatter, add_seeds, bench_argparser, over_seeds, pm,
                           seeds_of, target)
@@ -149,23 +150,7 @@ def ranking(model, state: dict | None) -> dict:
         return {"size_rank_corr": None}
     sizes = dict((n, p.numel()) for n, p in model.named_parameters())
     importance = state["selections"][0]["importance"]
-    return {"size_rank_corr": spearman(importance, [sizes[n] for n in state["names"]])}
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    def ranks(values):     # average ranks of ties
-        order = sorted(range(len(values)), key=values.__getitem__)
-        out = [0.0] * len(values)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-                j += 1
-            for k in order[i:j + 1]:
-                out[k] = (i + j) / 2
-            i = j + 1
-        return out
-    return statistics.correlation(ranks(a), ranks(b))
+    return {"size_rank_corr": float(spearmanr(importance, [sizes[n] for n in state["names"]]).statistic)}
 
 
 def validate(pretrained, args, target: dict, seed: int) -> dict:

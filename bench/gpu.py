@@ -244,7 +244,7 @@ def write_neuroflux(args, name: str, runs: list[dict], complete: bool, measured_
                           "acc": "final test acc", "sps": "training samples/s"},
                  notes=f"Mean and 95% interval (Student's t) over seeds; per-seed results in {name}_seeds/. "
                        f"Settings: {runs[0]['notes']}",
-                 extra={"speedups": speedups, "targets": goals, "seed_runs": [r["command"] for r in runs],
+                 extra={"speedups": speedups, "targets": goals, "n_seeds": len(runs), "seed_runs": [r["command"] for r in runs],
                         "complete": complete}, measured_by=measured_by)
     plot_neuroflux(runs, args.out / f"{name}.png", target, METHOD_COLOURS)
 

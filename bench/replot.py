@@ -22,7 +22,8 @@ from bench.common import RESULTS_DIR
 def _bittrain(d: dict, out: Path) -> None:
     from bench.bittrain import plot_panels
     from edgeflux.report import plot_bar_panels
-    plot_bar_panels(plot_panels(d["rows"], d["config"]["batch"], d["config"]["acc_steps"]), out / "bittrain.png",
+    plot_bar_panels(plot_panels(d["rows"], d["per_seed"]["accuracy"], d["config"]["batch"],
+                                d["config"]["acc_steps"]), out / "bittrain.png",
                     title=d["title"])
 
 

@@ -637,6 +637,17 @@ def test_headline_table_is_what_the_committed_results_say_and_judges_only_by_int
     assert rows["vgg16-w0.25"]["verdict"] == "not judged (one seed; the seed met it)"
 
 
+def test_every_results_file_says_how_many_seeds_its_rows_cover(tmp_path):
+    from bench.common import BenchResult
+    BenchResult().write("once", tmp_path)
+    BenchResult().write("thrice", tmp_path, extra={"n_seeds": 3})
+    assert [json.loads((tmp_path / f"{n}.json").read_text())["n_seeds"] for n in ("once", "thrice")] == [1, 3]
+    for path in sorted((REPO / "bench" / "results").glob("*.json")):   # the committed ones, read by outside checks
+        result = json.loads(path.read_text())
+        assert isinstance(result.get("n_seeds"), int) and result["n_seeds"] >= 1, f"{path.name}: no n_seeds"
+        assert result["n_seeds"] <= len(result.get("seeds") or range(result["n_seeds"])), path.name
+
+
 def test_targets_are_judged_by_the_t_interval_of_the_per_seed_values():
     from bench.common import over_seeds, target
     # mean 2, sd 1, n 3: half-width t(0.975, 2) * 1 / sqrt(3) = 4.303 / 1.732 = 2.484
