@@ -61,8 +61,9 @@ LABELS = {"full": "FT-All", "last_layer": "FT-Last", "bn_bias": "FT-BN+Bias", "e
 SPEEDUP_MODELS = ("resnet18", "vgg16")   # the issue's speed-up targets; Table 2's on every model
 TRAIN_SPEEDUP, END_TO_END, ACC_TOLERANCE, OVERHEAD, TIMING, TTA = 2.0, 1.6, 1.0, 2.0, 15.0, 1.5
 TARGET_LEVELS = (0.95, 0.98, 1.0)       # time-to-accuracy targets, x full training's final test accuracy
+OVERHEAD_PARTS = ("profile_s", "importance_s", "select_s")    # where the selection overhead goes, seconds
 METRICS = ("test_acc", "wall_s", "train_time_s", "speedup_vs_full", "train_speedup_vs_full", "overhead_frac",
-           "selected_frac", "predicted_step_s", "measured_step_s", "size_rank_corr")
+           "selected_frac", "predicted_step_s", "measured_step_s", "size_rank_corr", *OVERHEAD_PARTS)
 QUICK = dict(models=["resnet18"], rhos=[0.5], pretrain_samples=512, pretrain_epochs=1, train_samples=512,
              val_samples=256, test_samples=256, epochs=1, selections=6)
 
@@ -125,6 +126,7 @@ def run_method(pretrained, target: dict, method: str, opts: FinetuneOptions, rho
     row.update(wall_s=wall, train_time_s=m["train_time_s"], test_acc=run.run.test_acc, batch=m["batch_size"],
                train_params=m["train_params"], overhead_frac=m.get("elastic_overhead_frac"),
                selected_frac=m.get("elastic_selected_frac"), infeasible=None,
+               **{part: m.get(f"elastic_{part}") for part in OVERHEAD_PARTS},
                curve=[{"epoch": r["epoch"], "time_s": r["time_s"], "val_acc": r["val_acc"]}
                       for r in run.run.train.history], **step_times(state, m), **ranking(pretrained, state))
     row["selections"], row["tensors"] = (run.selections, run.tensors) if method == "elastic" else (None, None)
@@ -285,8 +287,9 @@ interval of their per-seed values (met: all of it clears the bound; not met: non
 wall_s: the whole run (batch measurement, training, the per-epoch validation and test evaluation, the final test);
 train_s: training steps with elastic's profiling, importance and selection included. speedup: full training's
 wall_s / this run's (under the same optimizer); train_speedup: the same for train_s. overhead: profiling +
-importance + DP over train_s. step_ms_predicted: the time model's step (forward, backward of the selection,
-optimizer) averaged over the selections; step_ms_measured: (train_s - overhead) / steps, which also carries what
+importance + DP over train_s (each part in seconds in the JSON: profile_s, importance_s, select_s).
+step_ms_predicted: the time model's step (forward, backward of the selection, optimizer) averaged over the
+selections; step_ms_measured: (train_s - overhead) / steps, which also carries what
 the time model leaves out (the batch's indexing, the loop, the learning-rate schedule). size_rank_corr: Spearman's
 rank correlation of the first selection's importances with the tensors' element counts (1: size alone ranks).
 Time to accuracy: seconds of training (overhead included) until the per-epoch validation accuracy reaches the level

@@ -300,6 +300,9 @@ def test_elastic_quick_compares_elastic_with_the_baselines(tmp_path):
         assert r["wall_s"] > 0 and 0 <= r["test_acc"] <= 1
         assert (r["timing_error"] is not None) == (r["overhead_frac"] is not None) == (r["method"] == "elastic")
         assert (r["predicted_step_s"] is not None) == (r["method"] == "elastic")
+        if r["method"] == "elastic":     # the overhead's parts add up to it
+            parts = r["profile_s"] + r["importance_s"] + r["select_s"]
+            assert r["profile_s"] > 0 and parts == pytest.approx(r["overhead_frac"] * r["train_time_s"])
     assert runs[("full", None, "sgd", None)]["speedup_vs_full"] == 1.0
     assert runs[("full", None, "adam", None)]["train_speedup_vs_full"] == 1.0
     # Adam's first step moves every weight by lr: summed over weights, importance ranks tensors by size
