@@ -20,7 +20,7 @@ from edgeflux.elastic import (ElasticBudgetError, ElasticController, ElasticOpti
 from edgeflux.finetune import FinetuneOptions, finetune, prepare
 from edgeflux.models import build_model
 from edgeflux.step import TrainStep
-from edgeflux.train import optimizer_factory
+from edgeflux.train import TrainResult, optimizer_factory
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -164,6 +164,32 @@ def test_importance_under_adam_is_lr_times_the_l1_norm_for_a_fresh_tensor():
     assert raw == pytest.approx([1e-3 * float(a.abs().sum()) for a in g], rel=1e-3, abs=1e-9)
     per_weight = tensor_importance(step, names, x, y, per_weight=True)
     assert per_weight == pytest.approx([1e-3 * float(a.abs().mean()) for a in g], rel=1e-3, abs=1e-12)
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_the_profiles_warm_up_step_is_the_importance_of_its_batch_and_the_first_selection_uses_it(optimizer):
+    """Profiling on the epoch's probe makes the probe's own evaluation redundant: the warm-up step's gains equal
+    tensor_importance on that batch (the model and the optimizer's state as they were), and the controller's
+    first selection carries them, per weight when asked."""
+    model, (x, y) = _model(), _batch(64)
+    opts = FinetuneOptions(optimizer=optimizer, lr=0.01, momentum=0.9, weight_decay=5e-4)
+    step = TrainStep.factory(optimizer_factory(opts))(model)
+    names = execution_order(model, lambda: model(x))
+    timing = profile_tensors(model, x[:32], y[:32], optimizer=step.optimizer, repeats=1)
+    assert timing.names == names
+    assert timing.gains == pytest.approx(tensor_importance(step, names, x[:32], y[:32]), rel=1e-4, abs=1e-12)
+    assert profile_tensors(model, x[:32], y[:32], optimizer=step.optimizer, repeats=1, warmup=0).gains is None
+    for how in ("update", "per_weight"):
+        model.requires_grad_(True)                      # every tensor a candidate again
+        controller = ElasticController(ElasticOptions(importance=how, repeats=1), classifier_names(model))
+        controller.attach(step, (x, y), 32)
+        result = TrainResult()
+        controller(result)
+        first = result.extra["elastic"]["selections"][0]["importance"]
+        probe = controller._probe(0, torch.device("cpu"))
+        want = tensor_importance(step, names, *probe, per_weight=how == "per_weight")
+        assert first == pytest.approx(want, rel=1e-4, abs=1e-15)
+        assert result.extra["elastic"]["overhead_s"]["importance"] < result.extra["elastic"]["overhead_s"]["profile"]
+
 
 
 def test_a_rho_too_small_trains_the_classifier_alone_or_is_one_line_naming_the_smallest_workable_value(tmp_path):

@@ -25,10 +25,10 @@ from collections.abc import Sequence
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from edgeflux.elastic.profile import Snapshot
+from edgeflux.elastic.snapshot import Snapshot
 from edgeflux.step import Step
 
-__all__ = ["tensor_importance"]
+__all__ = ["scaled", "tensor_importance", "update_gains"]
 
 
 def tensor_importance(step: Step, names: Sequence[str], x: Tensor, y: Tensor, per_weight: bool = False) -> list[float]:
@@ -42,9 +42,19 @@ def tensor_importance(step: Step, names: Sequence[str], x: Tensor, y: Tensor, pe
         step.optimizer.zero_grad(set_to_none=True)
         with step.context(model):
             getattr(step, "loss_fn", F.cross_entropy)(model(x), y).backward()
-        grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
-        before = [p.detach().clone() for p in params]
-        step.optimizer.step()                          # the update every tensor would take from this gradient
-        update = [p.detach() - b for p, b in zip(params, before)]
-    out = [0.0 if g is None else -float((g * d).sum()) for g, d in zip(grads, update)]
-    return [i / p.numel() for i, p in zip(out, params)] if per_weight else out
+        out = update_gains(step.optimizer, params)
+    return scaled(out, params, per_weight)
+
+
+def scaled(gains: Sequence[float], params: Sequence[Tensor], per_weight: bool) -> list[float]:
+    """The importances as the selector takes them: each over its tensor's element count with ``per_weight``."""
+    return [i / p.numel() for i, p in zip(gains, params)] if per_weight else list(gains)
+
+
+def update_gains(optimizer, params: Sequence[Tensor]) -> list[float]:
+    """I[k] = -sum(g * dw) of each of ``params`` from the gradients they hold: takes the optimizer's step to see
+    its update (the caller restores the weights and the optimizer's state)."""
+    grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
+    before = [p.detach().clone() for p in params]
+    optimizer.step()
+    return [0.0 if g is None else -float((g * (p.detach() - b)).sum()) for g, p, b in zip(grads, params, before)]

@@ -26,6 +26,8 @@ class ElasticOptions(Options):
     # (edgeflux.elastic.importance; bench.elastic measures both)
     importance: Literal["update", "per_weight"] = "update"
     resolution: int = Field(1000, ge=10)         # the selector's time steps over the budget
-    repeats: int = Field(2, ge=1)                # profiling: timed runs per configuration (after one warm-up)
+    # profiling: timed rounds (runs A to D and the full step, after one warm-up step). A round costs about six
+    # training steps; bench.elastic measures the time model's error at the default
+    repeats: int = Field(1, ge=1)
     # the fine-tuning method whose trainable tensors elastic selects among (edgeflux.finetune)
     base: Literal["ft_all", "ft_blocks", "ft_bn", "ft_bn_bias", "ft_bias", "mobiletl"] = "ft_all"

@@ -30,17 +30,19 @@ to that parameter's t_dw. Where each input-gradient time goes:
 * what lies above the last tensor (the loss) and the backward pass's fixed cost (the last tensor alone,
   measured, less its node times) are ``t_head``, paid whenever anything trains.
 
-Node times include the hooks' own cost, the same for every node: estimated from run A against the same
-selection's backward measured without hooks, it is taken off every node, and what remains is scaled so that
+Node times include the hooks' own cost, the same for every node: measured on a node that does next to
+nothing (``_hook_cost``), it is taken off every node, and what remains is scaled so that
 the prediction for the full selection is at least that measured backward. The optimizer's update is measured once over all tensors
 and shared out by element count (``t_opt``: an estimate per tensor, a measurement in total). ``T_forward``,
 the full step's backward and ``T_full`` (forward + backward + optimizer step) are measured without hooks.
-Each figure is the median of ``repeats`` runs after ``warmup``. Profiling leaves the model, its BatchNorm
-statistics and the optimizer's state as they were.
+Each figure is the median of ``repeats`` runs after ``warmup`` plain training steps of every tensor (a first
+pass pays for primitives and allocations that later ones reuse; its configuration matters little, as runs B
+to D call the same kernels as A, fewer of them). The first warm-up step, on the model as it was, is also each
+tensor's importance on this batch (``gains``): profiled on the probe, it saves the first selection the probe's
+own pass. Profiling leaves the model, its BatchNorm statistics and the optimizer's state as they were.
 """
 from __future__ import annotations
 
-import copy
 import logging
 import statistics
 import time
@@ -51,7 +53,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from edgeflux.elastic.importance import update_gains
 from edgeflux.elastic.select import selection_cost
+from edgeflux.elastic.snapshot import Snapshot
 from edgeflux.models.units import eval_mode
 from edgeflux.step import StepContext, no_context
 
@@ -79,6 +83,9 @@ class TensorTiming:
     hook_s: float              # the hooks' cost per node, taken off every node time
     hook_scale: float          # measured backward / the prediction for every tensor, after that
     profile_s: float           # what profiling took
+    # each tensor's importance on the profiled batch (edgeflux.elastic.importance), from the warm-up step: the
+    # probe's evaluation when the profiled batch is the probe (None without a warm-up or an optimizer)
+    gains: list[float] | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -182,32 +189,6 @@ def _timed_backward(loss: Tensor, nodes: Sequence, sync: Callable[[], None]) -> 
     return took
 
 
-class Snapshot:
-    """Sets which tensors require gradients; restores the model's own flags, weights, statistics and the
-    optimizer's state on exit."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None):
-        self.model, self.optimizer = model, optimizer
-
-    def __enter__(self) -> Snapshot:
-        self.flags = {name: p.requires_grad for name, p in self.model.named_parameters()}
-        self.state = copy.deepcopy(self.model.state_dict())
-        self.opt_state = copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None
-        return self
-
-    def train_only(self, params: Sequence[Tensor], keep: set[int]) -> None:
-        for p in params:
-            p.requires_grad_(id(p) in keep)
-
-    def __exit__(self, *exc) -> None:
-        self.model.zero_grad(set_to_none=True)
-        self.model.load_state_dict(self.state)
-        if self.optimizer is not None:
-            self.optimizer.load_state_dict(self.opt_state)
-        for name, p in self.model.named_parameters():
-            p.requires_grad_(self.flags[name])
-
-
 def _sync_for(x: Tensor) -> Callable[[], None]:
     return torch.cuda.synchronize if x.is_cuda else (lambda: None)
 
@@ -247,6 +228,36 @@ def _full_step(model, x, y, params, optimizer, context, loss_fn, sync) -> tuple[
     return t1 - t0, t2 - t1, t3 - t2
 
 
+def _warm_step(model, x, y, params, optimizer, context, loss_fn) -> list[float] | None:
+    """A training step of every tensor, its nodes hooked as run A's, its times dropped: the first use of this
+    batch's shapes and of the hooks pays what later ones do not (oneDNN's primitives, allocations). Its update,
+    on the model as it was, gives each tensor's importance."""
+    for p in params:
+        p.requires_grad_(True)
+    with context(model):
+        loss = loss_fn(model(x), y)
+        graph = _graph(loss, params[0])
+        _timed_backward(loss, graph.data + [n for n, _ in graph.param_only], lambda: None)
+    gains = update_gains(optimizer, params) if optimizer is not None else None
+    model.zero_grad(set_to_none=True)
+    return gains
+
+
+def _hook_cost(sync: Callable[[], None], device: torch.device, nodes: int = 100, repeats: int = 3) -> float:
+    """What the timing hooks add to each node's time, seconds: the median hooked time of a node that does next
+    to nothing (the backward of a scalar multiplication, in a chain of ``nodes``, ``repeats`` times). Its own
+    work is well under a microsecond, so this bounds the hooks' share from above; a cheap chain measures it
+    apart from the model's own noise, which a difference of two of the model's backward passes would carry."""
+    leaf = torch.zeros((), device=device, requires_grad=True)
+    took = []
+    for _ in range(repeats):
+        chain = [leaf * 1.0]
+        for _ in range(nodes - 1):
+            chain.append(chain[-1] * 1.0)
+        took += _timed_backward(chain[-1], [c.grad_fn for c in chain], sync).values()
+    return statistics.median(took)
+
+
 def _medians(rows: list[list[float]]) -> list[float]:
     if len({len(r) for r in rows}) > 1:
         raise RuntimeError("the backward graph changed between identical runs; cannot time its nodes")
@@ -276,20 +287,18 @@ def profile_tensors(model: nn.Module, x: Tensor, y: Tensor, *, optimizer: torch.
         weights = {id(p) for p in params} - biases
         configs = ({id(p) for p in params}, {first}, {first} | biases, {first} | weights)   # runs A, B, C, D
         last = [k == len(params) - 1 for k in range(len(params))]
+        warm = [_warm_step(model, x, y, params, optimizer, context, loss_fn) for _ in range(warmup)]
         runs = [[_hooked_run(model, x, y, params, keep, context, loss_fn, sync) for keep in configs]
                 + [_full_step(model, x, y, params, optimizer, context, loss_fn, sync),
                    measure_backward(model, names, last, x, y, context=context, loss_fn=loss_fn, repeats=1, warmup=0)]
-                for _ in range(warmup + repeats)][warmup:]
+                for _ in range(repeats)]
     graphs = [g for g, _, _ in runs[-1][:4]]
     for other in graphs[1:]:
         _check_same(graphs[0], other)
     forward, backward, opt = (statistics.median(r[4][i] for r in runs) for i in range(3))
     data = [_medians([r[c][1] for r in runs]) for c in range(4)]
     extra = _medians([r[0][2] for r in runs])
-    # each hooked node time carries the hooks' own cost: the same per node, estimated from run A against the
-    # unhooked backward of the same selection, and taken off every node
-    hooked = [statistics.median(sum(r[0][1]) + sum(r[0][2]) for r in runs)]
-    per_node = max(0.0, (hooked[0] - backward) / (len(data[0]) + len(extra)))
+    per_node = _hook_cost(sync, x.device)
     data = [[max(0.0, t - per_node) for t in times] for times in data]
     extra = [max(0.0, t - per_node) for t in extra]
     t_dw, t_dy, head = _attribute(model, graphs[0], params, biases, data, extra)
@@ -304,7 +313,8 @@ def profile_tensors(model: nn.Module, x: Tensor, y: Tensor, *, optimizer: torch.
     numel = sum(p.numel() for p in params)
     timing = TensorTiming(names, [t * scale for t in t_dw], [t * scale for t in t_dy],
                           [opt * p.numel() / numel for p in params], head * scale, forward, backward, opt,
-                          forward + backward + opt, len(x), repeats, per_node, scale, time.perf_counter() - started)
+                          forward + backward + opt, len(x), repeats, per_node, scale, time.perf_counter() - started,
+                          warm[0] if warm else None)
     log.info("profiled %d tensors at batch %d in %.2fs: forward %.1f ms, backward %.1f ms, optimizer %.1f ms "
              "(hooks %.1f us a node)", len(names), len(x), timing.profile_s, forward * 1e3, backward * 1e3, opt * 1e3,
              per_node * 1e6)

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from edgeflux.elastic.importance import tensor_importance
+from edgeflux.elastic.importance import scaled, tensor_importance
 from edgeflux.elastic.profile import TensorTiming, execution_order, predict_backward, predict_step, profile_tensors
 from edgeflux.elastic.select import selection_cost, select_tensors
 from edgeflux.errors import UserError
@@ -88,16 +88,13 @@ class ElasticController:
         # profiling and the probe draw no random numbers from the run (dropout, ...): a resumed run trains the same
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             tick = time.perf_counter()
+            probe, importance = self._probe(epoch, device), None
             if self.timing is None or (self.opts.profile_interval and epoch % self.opts.profile_interval == 0):
-                x, y = (t[:self.batch_size].to(device) for t in self.train)
-                self.timing = profile_tensors(self.step.model, x, y, optimizer=self.step.optimizer,
-                                              context=self.step.context, repeats=self.opts.repeats,
-                                              loss_fn=getattr(self.step, "loss_fn", F.cross_entropy), names=self.names)
-                state["timing"] = self.timing.to_dict()
+                importance = self._profile(probe, device, state)
                 overhead["profile"] += time.perf_counter() - tick
-            tick = time.perf_counter()
-            importance = tensor_importance(self.step, self.names, *self._probe(epoch, device),
-                                           per_weight=self.opts.importance == "per_weight")
+                tick = time.perf_counter()
+            if importance is None:
+                importance = tensor_importance(self.step, self.names, *probe, per_weight=self.opts.importance == "per_weight")
             overhead["importance"] += time.perf_counter() - tick
         tick = time.perf_counter()
         mask = self.select(importance)
@@ -109,6 +106,21 @@ class ElasticController:
                                     "objective_met": step <= self.opts.rho * self.timing.t_full * 1.01})
         log.info("elastic: epoch %d trains %d of %d tensors (deepest %d); predicted step %.1f ms of a full %.1f ms",
                  epoch, sum(mask), len(mask), mask.index(True), step * 1e3, self.timing.t_full * 1e3)
+
+    def _profile(self, probe: tuple, device: torch.device, state: dict) -> list[float] | None:
+        """Profiles the time model at the training batch; the importances of the tensors on the probe when the
+        probe is a training batch (the profile's first full step is then the probe's evaluation), else None."""
+        reuse = len(probe[1]) == self.batch_size
+        x, y = probe if reuse else (t[:self.batch_size].to(device) for t in self.train)
+        self.timing = profile_tensors(self.step.model, x, y, optimizer=self.step.optimizer, context=self.step.context,
+                                      repeats=self.opts.repeats, loss_fn=getattr(self.step, "loss_fn", F.cross_entropy),
+                                      names=self.names)
+        state["timing"] = self.timing.to_dict()
+        if not reuse or self.timing.gains is None:
+            return None
+        gains = dict(zip(self.timing.names, self.timing.gains))
+        by_name = dict(self.step.model.named_parameters())
+        return scaled([gains[n] for n in self.names], [by_name[n] for n in self.names], self.opts.importance == "per_weight")
 
     def _probe(self, epoch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.train
