@@ -35,9 +35,9 @@ nothing (``_hook_cost``), it is taken off every node, and what remains is scaled
 the prediction for the full selection is at least that measured backward. The optimizer's update is measured once over all tensors
 and shared out by element count (``t_opt``: an estimate per tensor, a measurement in total). ``T_forward``,
 the full step's backward and ``T_full`` (forward + backward + optimizer step) are measured without hooks.
-Each figure is the median of ``repeats`` runs after ``warmup`` plain training steps of every tensor (a first
-pass pays for primitives and allocations that later ones reuse; its configuration matters little, as runs B
-to D call the same kernels as A, fewer of them). The first warm-up step, on the model as it was, is also each
+Each figure is the median of ``repeats`` rounds after ``warmup`` training steps of every tensor, hooked as run
+A and untimed (a first pass pays for primitives and allocations that later ones reuse; runs B to D call a
+subset of run A's kernels, so one warm-up configuration serves them all). The first warm-up step, on the model as it was, is also each
 tensor's importance on this batch (``gains``): profiled on the probe, it saves the first selection the probe's
 own pass. Profiling leaves the model, its BatchNorm statistics and the optimizer's state as they were.
 """
