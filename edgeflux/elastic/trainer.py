@@ -108,8 +108,8 @@ class ElasticController:
                  epoch, sum(mask), len(mask), mask.index(True), step * 1e3, self.timing.t_full * 1e3)
 
     def _profile(self, probe: tuple, device: torch.device, state: dict) -> list[float] | None:
-        """Profiles the time model at the training batch; the importances of the tensors on the probe when the
-        probe is a training batch (the profile's first full step is then the probe's evaluation), else None."""
+        """Profiles the time model at the training batch; returns the tensors' importances on the probe when the
+        probe is a training batch (the profile's warm-up step is then the probe's evaluation), else None."""
         reuse = len(probe[1]) == self.batch_size
         x, y = probe if reuse else (t[:self.batch_size].to(device) for t in self.train)
         self.timing = profile_tensors(self.step.model, x, y, optimizer=self.step.optimizer, context=self.step.context,
