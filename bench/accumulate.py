@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bench.budget import bp_options, default_splits, workload_parser
+from bench.budget import bp_options, default_splits, model_spec, workload_parser
 from bench.common import METHOD_COLOURS, BenchResult, fmt_ci, mean_ci, read_parts
 from edgeflux.models import build_model
 from edgeflux.train import TrainRun, evaluate, fit
@@ -51,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def train_once(name: str, micro: int | None, seed: int, splits: dict, args) -> float:
     """Test accuracy after training from seed's weights: plain at args.effective (micro None) or accumulated."""
-    spec = dict(name=name, num_classes=10, in_channels=1, width=args.width, image_size=32, batch_norm=True)
+    spec = model_spec(name, args)
     opts = bp_options("backprop" if micro is None else "backprop-accumulate", spec, None, seed, args)
     opts = opts.model_copy(update={"tricks": opts.tricks.model_copy(update={"effective_batch": args.effective})})
     model = build_model(**spec, seed=seed)

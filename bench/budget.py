@@ -24,6 +24,7 @@ reached the target; the time is reported only when every seed reached it. The ro
 seeds' choice) says so; auto's time over the fastest method's is paired by seed.
 
     python -m bench.budget --threads 2                       # default workload, 3 models, 3 seeds
+    python -m bench.budget --threads 2 --workload realistic  # photos at 128 px, torchvision's MobileNetV2
     python -m bench.budget --models vgg16 --out /tmp/b       # one model; --combine merges parts
     python -m bench.budget --quick --out /tmp/bench
 """
@@ -53,7 +54,16 @@ from edgeflux.tricks import TrickOptions
 from edgeflux.tricks.options import backprop_options
 
 NAME = "budget"
-WORKLOAD = "default"   # Fashion-MNIST at 32 px, the zoo models (the realistic 128 px workload: not run yet)
+# default: Fashion-MNIST at 32 px on the zoo's models; realistic: bench.realistic's photo folder at 3x128x128 on
+# torchvision's full-width architectures (its settings below: a model's runs take minutes, not seconds)
+WORKLOADS = ("default", "realistic")
+PHOTO_PX = 128   # the realistic preset's data.image_size
+DATA = {"default": "Fashion-MNIST at 32 px (its target split)",
+        "realistic": f"bench.realistic's photo folder (Fashion-MNIST upscaled to RGB) at {PHOTO_PX} px, torchvision's "
+                     "architectures from random weights"}
+SHORT = {"default": "Fashion-MNIST, 1x32x32", "realistic": f"photos, 3x{PHOTO_PX}x{PHOTO_PX}"}
+REALISTIC = dict(models=["mobilenet_v2"], fractions=[0.25], target_acc=0.75, epochs=3, time_limit=300.0,
+                 nf_epochs=1, nf_profile_batches=[4, 8, 16])
 METHODS = {"backprop": "backprop", "backprop-accumulate": "accumulation", "backprop-checkpoint": "checkpointing",
            "backprop-fused_step": "step in backward",
            "backprop-checkpoint-fused_step": "checkpointing + step in backward", "neuroflux": "NeuroFlux",
@@ -93,7 +103,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nf-epochs", type=int, default=2, help="NeuroFlux epochs per block")
     p.add_argument("--time-limit", type=float, default=180.0, help="seconds of training after which a run stops")
     p.add_argument("--max-batch", type=int, default=256, help="batch size limit of every method")
+    p.add_argument("--nf-profile-batches", type=int, nargs="+", default=[16, 32, 64, 128],
+                   help="the batches NeuroFlux's profile measures each unit at")
+    p.add_argument("--workload", choices=WORKLOADS, default="default",
+                   help="default: Fashion-MNIST at 32 px, the zoo's models at --width; realistic: the photo folder "
+                        f"of bench.realistic at 128 px, torchvision's architectures (full width), and unless given: "
+                        f"{_flags(REALISTIC)}")
     args = p.parse_args(argv)
+    if args.quick and args.workload == "realistic":
+        p.error("--quick runs the default workload's smallest model; leave out --workload realistic")
+    if args.workload == "realistic":   # its defaults, where the command line left a flag at the default's
+        for key, value in REALISTIC.items():
+            if getattr(args, key) == p.get_default(key):
+                setattr(args, key, value)
     if args.quick:
         args.models, args.width, args.fractions, args.seeds = ["vgg11"], 0.125, [0.5], [0]
         args.train_samples, args.val_samples, args.epochs, args.nf_epochs = 512, 128, 1, 1
@@ -101,10 +123,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _flags(values: dict) -> str:
+    """``{"time_limit": 300.0}`` as the command line gives it: --time-limit 300.0."""
+    return ", ".join("--" + k.replace("_", "-") + " " + (" ".join(map(str, v)) if isinstance(v, list) else str(v))
+                     for k, v in values.items())
+
+
 def default_splits(args) -> dict:
     """The default workload's data: Fashion-MNIST at 32 px, args.train_samples / val_samples / test_samples
-    (None: the whole split) of the target splits."""
-    data = prepare(load_raw("fashion-mnist"), image_size=32, val_fraction=0.1, seed=0, split_by="data")
+    (None: the whole split) of the target splits; the realistic workload's: the whole photo folder at 128 px."""
+    if getattr(args, "workload", "default") == "realistic":
+        from bench.realistic import PHOTOS, make_photos
+        raw = load_raw("imagefolder", root=make_photos(PHOTOS), image_size=PHOTO_PX, channels=3)
+        data = prepare(raw, image_size=PHOTO_PX, channels=3, val_fraction=0.1, seed=0, split_by="none")
+    else:
+        data = prepare(load_raw("fashion-mnist"), image_size=32, val_fraction=0.1, seed=0, split_by="data")
     return {"train": tensors(data, "target_train", limit=args.train_samples),
             "val": tensors(data, "target_val", limit=args.val_samples),
             "test": tensors(data, "target_test", limit=args.test_samples)}
@@ -116,8 +149,16 @@ def time_to(history: list[dict], target: float, offset: float) -> tuple[float, f
     return (offset + row["time_s"], row.get("cpu_s")) if row else None
 
 
+def model_spec(name: str, args) -> dict:
+    """build_model's arguments for a model of the workload (seed aside; bench.accumulate: the default one)."""
+    if getattr(args, "workload", "default") == "realistic":
+        return dict(name=name, num_classes=10, in_channels=3, image_size=PHOTO_PX, arch="torchvision")
+    return dict(name=name, num_classes=10, in_channels=1, width=args.width, image_size=32, batch_norm=True)
+
+
 def bp_options(method: str, spec: dict, budget: int | None, seed: int, args) -> TrainBPParams:
-    opts = TrainBPParams(model=ModelSpec(name=spec["name"], width=spec["width"]),
+    model = ModelSpec(name=spec["name"], **({"arch": "torchvision"} if spec.get("arch") else {"width": spec["width"]}))
+    opts = TrainBPParams(model=model,
                          budget=f"{budget}B" if budget else None,
                          max_batch=args.max_batch, epochs=args.epochs, lr=0.05, lr_scaling="sqrt",
                          lr_reference_batch=REFERENCE_BATCH, evals_per_epoch=4, seed=seed, device="cpu",
@@ -166,7 +207,8 @@ def run_auto(spec: dict, splits: dict, budget: int, seed: int, args) -> dict:
 def run_neuroflux(spec: dict, splits: dict, budget: int, seed: int, args) -> dict:
     opts = NeuroFluxParams(epochs=args.nf_epochs, lr=0.05, momentum=0.9, weight_decay=5e-4, evals_per_epoch=2,
                            seed=seed, lr_scaling="sqrt", lr_reference_batch=REFERENCE_BATCH)
-    nf_args = argparse.Namespace(seed=seed, max_batch=args.max_batch, device="cpu", time_limit=args.time_limit)
+    nf_args = argparse.Namespace(seed=seed, max_batch=args.max_batch, device="cpu", time_limit=args.time_limit,
+                                 profile_batches=args.nf_profile_batches)
 
     def until(run) -> bool:   # between blocks: the target reached, or the time spent
         return run.train_time_s >= args.time_limit or any(h.get("test_acc", 0) >= args.target_acc for h in run.history)
@@ -181,7 +223,7 @@ def run_neuroflux(spec: dict, splits: dict, budget: int, seed: int, args) -> dic
 
 def summary(model: str, method: str, budget: int, frac: float, runs: list[dict]) -> dict:
     """One row of the results contract: the method at one budget over its seeds (``auto``: set by mark_auto)."""
-    row = {"workload": WORKLOAD, "model": model, "budget_bytes": budget, "budget_frac": frac, "method": method,
+    row = {"model": model, "budget_bytes": budget, "budget_frac": frac, "method": method,
            "label": METHODS[method], "n_seeds": len(runs), "seeds": [r["seed"] for r in runs],
            "feasible": runs[0]["feasible"], "auto": False}
     if method == "auto" and row["feasible"]:
@@ -206,10 +248,11 @@ def summary(model: str, method: str, budget: int, frac: float, runs: list[dict])
 
 def budget_rows(name: str, splits: dict, args) -> Iterator[list[dict]]:
     """Each budget's rows of one model, one budget at a time."""
-    spec = dict(name=name, num_classes=10, in_channels=1, width=args.width, image_size=32, batch_norm=True)
-    model = f"{name}-w{args.width:g}"
+    spec = model_spec(name, args)
+    model = bp_options("backprop", spec, None, 0, args).model.key
+    shape = (spec["in_channels"], spec["image_size"], spec["image_size"])
     reference = measure_training_peak(build_model(**spec, seed=0), optimizer_factory(bp_options(
-        "backprop", spec, None, 0, args)), (1, 32, 32), 10, REFERENCE_BATCH, data=splits["train"],
+        "backprop", spec, None, 0, args)), shape, 10, REFERENCE_BATCH, data=splits["train"],
         process_stats=False).peak_bytes
     for frac in args.fractions:
         budget = int(frac * reference)
@@ -225,7 +268,8 @@ def budget_rows(name: str, splits: dict, args) -> Iterator[list[dict]]:
                 if not r["feasible"]:
                     break   # the budget, not the seed, decides
             rows.append(summary(model, method, budget, frac, runs))
-            rows[-1].update(reference_bytes=reference, run=args.run)
+            rows[-1].update(reference_bytes=reference, run=args.run, workload=args.workload,
+                            target_acc=args.target_acc)
             print(f"  {METHODS[method]}: {_cell(rows[-1])}", flush=True)
         yield mark_auto(rows)
 
@@ -326,7 +370,7 @@ def _by_seed(row: dict) -> dict:
     return dict(zip(row.get("seeds", range(len(row["times"]))), row["times"]))
 
 
-def plot(rows: list[dict], path: Path, target: float) -> None:
+def plot(rows: list[dict], path: Path) -> None:
     """Time to target per method (mean and 95% interval), one panel per model, budgets along x."""
     from edgeflux.neuroflux.plots import _pyplot, _save
     plt = _pyplot()
@@ -360,7 +404,9 @@ def plot(rows: list[dict], path: Path, target: float) -> None:
                        yerr=[[r["time_to_target_s"] - lo], [hi - r["time_to_target_s"]]], capsize=3)
         ax.set_xticks(range(len(fracs)), [f"{f:.1%} of backprop's\nbatch-{REFERENCE_BATCH} peak" for f in fracs])
         ax.set_xlim(-0.5, len(fracs) - 0.5)   # every method's slot, marks of the methods without a bar too
-        ax.set(title=model, ylabel=f"seconds to {target:.0%} test accuracy (mean, 95% CI)")
+        first = next(r for r in rows if r["model"] == model)
+        ax.set(title=f"{model}\n{SHORT[first.get('workload', 'default')]}",
+               ylabel=f"seconds to {first['target_acc']:.0%} test accuracy (mean, 95% CI)")
         ax.grid(axis="y", alpha=0.3)
     handles = [plt.Rectangle((0, 0), 1, 1, color=METHOD_COLOURS[METHODS[m]]) for m in methods]
     handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black", linewidth=1.5))
@@ -391,6 +437,7 @@ def write(rows: list[dict], args, notes: str, measured_by: dict | None = None) -
          "auto_within_10pct_backprop": "within 10% "})
     md = [{"model": r["model"], "budget": f"{format_bytes(r['budget_bytes'])} ({r['budget_frac']:g})",
            "method": r["label"] + (" (auto)" if r["auto"] else ""),
+           **({"target": f"{r['target_acc']:.0%}"} if len({r["target_acc"] for r in rows}) > 1 else {}),
            "batch": "; ".join(str(b) for b in r.get("batch", [])) if r["feasible"] else "",
            "peak": format_bytes(r["peak_bytes"]) if r["peak_bytes"] else "",
            "to target": _cell(r).split(" to target")[0] if r["feasible"] else _cell(r),
@@ -399,12 +446,14 @@ def write(rows: list[dict], args, notes: str, measured_by: dict | None = None) -
            **({"machine": r.get("machine", "")} if len({r.get("machine") for r in rows}) > 1 else {}),
            **({"run": (r.get("run") or "").replace("T", " ")} if len({r.get("run") for r in rows}) > 1 else {})}
           for r in rows]
-    result.write(NAME, args.out, title=f"Time to {args.target_acc:.0%} test accuracy under a memory budget",
+    targets = sorted({r["target_acc"] for r in rows})
+    goal = f"{targets[0]:.0%}" if len(targets) == 1 else "a target"
+    result.write(NAME, args.out, title=f"Time to {goal} test accuracy under a memory budget",
                  md_rows=md, notes=notes, measured_by=measured_by,
                  extra={"n_seeds": max(r["n_seeds"] for r in rows), "verdicts": judged,
                         "settings": {k: str(v) if isinstance(v, Path) else v
                                                          for k, v in vars(args).items() if k != "combine"}})
-    plot(rows, args.out / f"{NAME}.png", args.target_acc)
+    plot(rows, args.out / f"{NAME}.png")
 
 
 def main(argv=None) -> None:
@@ -415,7 +464,7 @@ def main(argv=None) -> None:
             for r in part["rows"]:
                 r.setdefault("machine", part["machine"]["cpu"])
                 r.setdefault("run", part["machine"]["date"][:16])
-        args.target_acc = parts[0]["settings"]["target_acc"]
+                r.setdefault("target_acc", part["settings"]["target_acc"])
         notes = " | ".join(f"`{part['command']}`: {part['notes']}" for part in parts)
         rows = mark_auto(rows)   # a row measured again replaces the earlier one
         left = {r["machine"] for r in rows}   # the header names the latest machine whose rows are kept
@@ -431,8 +480,8 @@ def main(argv=None) -> None:
         for budget in budget_rows(name, splits, args):   # written after every budget: a stopped run keeps them
             rows += budget
             done = len({(r["model"], r["budget_bytes"]) for r in rows})
-            write(rows, args, f"Workload {WORKLOAD}: Fashion-MNIST at 32 px, {args.train_samples} training images "
-                  f"(target split), the whole test split ({len(splits['test'][1])} images); seeds {args.seeds}; at "
+            write(rows, args, f"Workload {args.workload}: {DATA[args.workload]}, {len(splits['train'][1])} training "
+                  f"images, the whole test split ({len(splits['test'][1])} images); seeds {args.seeds}; at "
                   f"most {args.epochs} epochs (NeuroFlux: {args.nf_epochs} per block) or {args.time_limit:g} s of "
                   f"training; SGD momentum 0.9, lr 0.05 at batch {REFERENCE_BATCH} (sqrt-scaled); torch threads "
                   f"{torch.get_num_threads()}; bench time {time.perf_counter() - started:.0f} s; "

@@ -138,7 +138,7 @@ def run_local(spec, splits, opts, budget, args, classic: bool, until=None) -> di
     aux = dict(mode="classic" if classic else "adaptive", classic_filters=256, pool=2, seed=opts.seed)
     model, learners = build_learners(spec, aux)
     profiles = profile_units(learners, model.describe(), spec["num_classes"], optimizer_factory(opts),
-                             batches=(16, 32, 64, 128), data=splits["train"], min_r2=0.0, device=args.device)
+                             batches=getattr(args, "profile_batches", (16, 32, 64, 128)), data=splits["train"], min_r2=0.0, device=args.device)
     profile_s = profiling_seconds(profiles)
     models = [p.model for p in profiles]
     try:

@@ -29,7 +29,7 @@ def _bittrain(d: dict, out: Path) -> None:
 
 def _budget(d: dict, out: Path) -> None:
     from bench.budget import plot
-    plot(d["rows"], out / "budget.png", d["settings"]["target_acc"])
+    plot(d["rows"], out / "budget.png")
 
 
 def _accumulate(d: dict, out: Path) -> None:

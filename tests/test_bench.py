@@ -524,6 +524,30 @@ def test_budget_quick_keeps_the_results_contract_and_combines(tmp_path):
     assert {r["machine"] for r in merged} == {result["machine"]["cpu"]}
 
 
+def test_budget_realistic_workload_trains_torchvision_models_on_the_photo_folder(monkeypatch, tmp_path):
+    """--workload realistic: its own defaults where a flag is not given, the photos at 3x128x128 (train and test
+    from their folders), torchvision's architecture under its model key."""
+    from bench import budget, realistic
+    from edgeflux.models import build_model
+    args = budget.parse_args(["--workload", "realistic", "--target-acc", "0.9"])
+    assert (args.models, args.fractions, args.time_limit, args.nf_profile_batches) == (
+        ["mobilenet_v2"], [0.25], 300.0, [4, 8, 16]) and args.target_acc == 0.9   # a given flag wins
+    plain = budget.parse_args([])
+    assert plain.models == ["vgg16", "resnet18", "mobilenet_v2"] and plain.nf_profile_batches == [16, 32, 64, 128]
+    spec = budget.model_spec("mobilenet_v2", args)
+    assert budget.bp_options("backprop", spec, None, 0, args).model.key == "tv-mobilenet_v2"
+    assert budget.bp_options("backprop", budget.model_spec("vgg16", plain), None, 0, plain).model.key == "vgg16-w0.25"
+    monkeypatch.setattr(realistic, "PHOTOS_PER_CLASS", 2)
+    monkeypatch.setattr(realistic, "TEST_PER_CLASS", 1)
+    monkeypatch.setattr(realistic, "PHOTOS", tmp_path / "photos")
+    splits = budget.default_splits(args)
+    (x, y), ty = splits["train"], splits["test"][1]
+    assert tuple(x[:2].shape) == (2, 3, budget.PHOTO_PX, budget.PHOTO_PX)
+    assert sorted(ty.tolist()) == list(range(10))   # the test folder's one photo per class
+    assert len(y) + len(splits["val"][1]) == 20
+    assert build_model(**spec, seed=0)(x[:2]).shape == (2, 10)
+
+
 def test_budget_figure_hatches_a_bar_timed_in_another_run_than_its_budgets_others(monkeypatch, tmp_path):
     import bench.budget
     import edgeflux.neuroflux.plots as plots
@@ -532,11 +556,11 @@ def test_budget_figure_hatches_a_bar_timed_in_another_run_than_its_budgets_other
 
     def row(method, run, time=10.0, frac=0.5):
         return {"model": "m", "method": method, "budget_frac": frac, "feasible": time is not None,
-                "time_to_target_s": time, "ci95_s": None, "auto": False, "run": run}
+                "time_to_target_s": time, "ci95_s": None, "auto": False, "run": run, "target_acc": 0.8}
     rows = [row("backprop", "a"), row("neuroflux", "a"), row("auto", "b"), row("backprop", "b", None, 0.25),
             row("neuroflux", "c", 12.0, 0.25)]     # 25%: one timed bar, from its own run: nothing to compare
-    bench.budget.plot(rows, tmp_path / "b.png", 0.8)
-    bench.budget.plot(rows[:2], tmp_path / "b.png", 0.8)
+    bench.budget.plot(rows, tmp_path / "b.png")
+    bench.budget.plot(rows[:2], tmp_path / "b.png")
     hatched = [[p.get_hatch() for p in fig.axes[0].patches if p.get_hatch()] for fig in drawn]
     notes = [" ".join(t.get_text() for t in fig.texts) for fig in drawn]
     assert hatched == [["//"], []] and "hatched: timed in another run" in notes[0] and "hatched" not in notes[1]
