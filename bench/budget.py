@@ -43,12 +43,14 @@ import torch
 from bench.common import (METHOD_COLOURS, BenchResult, HelpFormatter, fmt_ci, mean_ci, program_name, read_parts,
                           RESULTS_DIR)
 from bench.neuroflux import run_local
+from bench import realistic
 from edgeflux.backprop import train_under_budget
 from edgeflux.config import NeuroFluxParams, TrainBPParams
 from edgeflux.data import load_raw, prepare, tensors
 from edgeflux.memory import BudgetTooSmallError, format_bytes, measure_training_peak
 from edgeflux.models import ModelSpec, build_model
 from edgeflux.plan import NoFeasibleMethodError, fastest, plan_training
+from edgeflux.presets import load_preset
 from edgeflux.train import TrainRun, optimizer_factory
 from edgeflux.tricks import TrickOptions
 from edgeflux.tricks.options import backprop_options
@@ -57,7 +59,7 @@ NAME = "budget"
 # default: Fashion-MNIST at 32 px on the zoo's models; realistic: bench.realistic's photo folder at 3x128x128 on
 # torchvision's full-width architectures (its settings below: a model's runs take minutes, not seconds)
 WORKLOADS = ("default", "realistic")
-PHOTO_PX = 128   # the realistic preset's data.image_size
+PHOTO_PX = load_preset(realistic.PRESET).params["data.image_size"]   # the realistic preset's photo size
 DATA = {"default": "Fashion-MNIST at 32 px (its target split)",
         "realistic": f"bench.realistic's photo folder (Fashion-MNIST upscaled to RGB) at {PHOTO_PX} px, torchvision's "
                      "architectures from random weights"}
@@ -87,6 +89,7 @@ def workload_parser(name: str, doc: str, quick: str) -> argparse.ArgumentParser:
     p.add_argument("--val-samples", type=int, default=500, help="validation images (no choice here reads them)")
     p.add_argument("--test-samples", type=int, default=None, help="test images (default: the whole test split)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (none: torch's choice)")
+    p.set_defaults(workload="default")   # bench.budget's own parser offers --workload
     p.add_argument("--combine", type=Path, nargs="+", default=None, metavar="JSON",
                    help=f"instead of running: merge {name}.json files of runs over different --models (or seeds) "
                         "into --out")
@@ -132,9 +135,8 @@ def _flags(values: dict) -> str:
 def default_splits(args) -> dict:
     """The default workload's data: Fashion-MNIST at 32 px, args.train_samples / val_samples / test_samples
     (None: the whole split) of the target splits; the realistic workload's: the whole photo folder at 128 px."""
-    if getattr(args, "workload", "default") == "realistic":
-        from bench.realistic import PHOTOS, make_photos
-        raw = load_raw("imagefolder", root=make_photos(PHOTOS), image_size=PHOTO_PX, channels=3)
+    if args.workload == "realistic":
+        raw = load_raw("imagefolder", root=realistic.make_photos(realistic.PHOTOS), image_size=PHOTO_PX, channels=3)
         data = prepare(raw, image_size=PHOTO_PX, channels=3, val_fraction=0.1, seed=0, split_by="none")
     else:
         data = prepare(load_raw("fashion-mnist"), image_size=32, val_fraction=0.1, seed=0, split_by="data")
@@ -150,8 +152,8 @@ def time_to(history: list[dict], target: float, offset: float) -> tuple[float, f
 
 
 def model_spec(name: str, args) -> dict:
-    """build_model's arguments for a model of the workload (seed aside; bench.accumulate: the default one)."""
-    if getattr(args, "workload", "default") == "realistic":
+    """build_model's arguments for a model of the workload (seed aside)."""
+    if args.workload == "realistic":
         return dict(name=name, num_classes=10, in_channels=3, image_size=PHOTO_PX, arch="torchvision")
     return dict(name=name, num_classes=10, in_channels=1, width=args.width, image_size=32, batch_norm=True)
 
