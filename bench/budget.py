@@ -40,8 +40,8 @@ from pathlib import Path
 
 import torch
 
-from bench.common import (METHOD_COLOURS, BenchResult, HelpFormatter, fmt_ci, mean_ci, program_name, read_parts,
-                          RESULTS_DIR)
+from bench.common import (METHOD_COLOURS, BenchResult, HelpFormatter, add_workload, fmt_ci, mean_ci, parse_workload,
+                          program_name, read_parts, RESULTS_DIR)
 from bench.neuroflux import run_local
 from bench import realistic
 from edgeflux.backprop import train_under_budget
@@ -50,7 +50,6 @@ from edgeflux.data import load_raw, prepare, tensors
 from edgeflux.memory import BudgetTooSmallError, format_bytes, measure_training_peak
 from edgeflux.models import ModelSpec, build_model
 from edgeflux.plan import NoFeasibleMethodError, fastest, plan_training
-from edgeflux.presets import load_preset
 from edgeflux.train import TrainRun, optimizer_factory
 from edgeflux.tricks import TrickOptions
 from edgeflux.tricks.options import backprop_options
@@ -58,8 +57,7 @@ from edgeflux.tricks.options import backprop_options
 NAME = "budget"
 # default: Fashion-MNIST at 32 px on the zoo's models; realistic: bench.realistic's photo folder at 3x128x128 on
 # torchvision's full-width architectures (its settings below: a model's runs take minutes, not seconds)
-WORKLOADS = ("default", "realistic")
-PHOTO_PX = load_preset(realistic.PRESET).params["data.image_size"]   # the realistic preset's photo size
+PHOTO_PX = realistic.PHOTO_PX
 DATA = {"default": "Fashion-MNIST at 32 px (its target split)",
         "realistic": f"bench.realistic's photo folder (Fashion-MNIST upscaled to RGB) at {PHOTO_PX} px, torchvision's "
                      "architectures from random weights"}
@@ -108,17 +106,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=256, help="batch size limit of every method")
     p.add_argument("--nf-profile-batches", type=int, nargs="+", default=[16, 32, 64, 128],
                    help="the batches NeuroFlux's profile measures each unit at")
-    p.add_argument("--workload", choices=WORKLOADS, default="default",
-                   help="default: Fashion-MNIST at 32 px, the zoo's models at --width; realistic: the photo folder "
-                        f"of bench.realistic at 128 px, torchvision's architectures (full width), and unless given: "
-                        f"{_flags(REALISTIC)}")
-    args = p.parse_args(argv)
-    if args.quick and args.workload == "realistic":
-        p.error("--quick runs the default workload's smallest model; leave out --workload realistic")
-    if args.workload == "realistic":   # its defaults, where the command line left a flag at the default's
-        for key, value in REALISTIC.items():
-            if getattr(args, key) == p.get_default(key):
-                setattr(args, key, value)
+    add_workload(p, "Fashion-MNIST at 32 px, the zoo's models at --width",
+                 f"the photo folder of bench.realistic at {PHOTO_PX} px, torchvision's architectures (full width)",
+                 REALISTIC)
+    args = parse_workload(p, argv)
     if args.quick:
         args.models, args.width, args.fractions, args.seeds = ["vgg11"], 0.125, [0.5], [0]
         args.train_samples, args.val_samples, args.epochs, args.nf_epochs = 512, 128, 1, 1
@@ -126,18 +117,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _flags(values: dict) -> str:
-    """``{"time_limit": 300.0}`` as the command line gives it: --time-limit 300.0."""
-    return ", ".join("--" + k.replace("_", "-") + " " + (" ".join(map(str, v)) if isinstance(v, list) else str(v))
-                     for k, v in values.items())
-
-
 def default_splits(args) -> dict:
     """The default workload's data: Fashion-MNIST at 32 px, args.train_samples / val_samples / test_samples
     (None: the whole split) of the target splits; the realistic workload's: the whole photo folder at 128 px."""
     if args.workload == "realistic":
-        raw = load_raw("imagefolder", root=realistic.make_photos(realistic.PHOTOS), image_size=PHOTO_PX, channels=3)
-        data = prepare(raw, image_size=PHOTO_PX, channels=3, val_fraction=0.1, seed=0, split_by="none")
+        data = realistic.photo_data("none")
     else:
         data = prepare(load_raw("fashion-mnist"), image_size=32, val_fraction=0.1, seed=0, split_by="data")
     return {"train": tensors(data, "target_train", limit=args.train_samples),

@@ -191,6 +191,38 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
     """The module docstring as written, and every flag's default after its help."""
 
 
+WORKLOADS = ("default", "realistic")
+
+
+def add_workload(parser: argparse.ArgumentParser, default: str, realistic: str, defaults: dict) -> None:
+    """--workload: what the default and the realistic workload are (help text), and the realistic one's own
+    ``defaults`` (applied by parse_workload)."""
+    flags = ", ".join("--" + k.replace("_", "-") + " " + (" ".join(map(str, v)) if isinstance(v, list) else str(v))
+                      for k, v in defaults.items())
+    parser.add_argument("--workload", choices=WORKLOADS, default="default",
+                        help=f"default: {default}; realistic: {realistic}, and unless given: {flags}")
+    parser.set_defaults(realistic_defaults=defaults)
+
+
+def parse_workload(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """parser's arguments, with the realistic workload's defaults where the command line left a flag at the
+    default workload's; --quick (the default workload's smallest run) with it is an error."""
+    args = parser.parse_args(argv)
+    defaults = args.__dict__.pop("realistic_defaults")
+    if args.workload == "realistic":
+        if args.quick:
+            parser.error("--quick runs the default workload's smallest model; leave out --workload realistic")
+        for key, value in defaults.items():
+            if getattr(args, key) == parser.get_default(key):
+                setattr(args, key, value)
+    return args
+
+
+def result_name(name: str, args: argparse.Namespace) -> str:
+    """A benchmark's results file name: the default workload's ``name``; another's beside it, not over it."""
+    return name if args.workload == "default" else f"{name}_{args.workload}"
+
+
 def bench_argparser(description: str) -> argparse.ArgumentParser:
     """The flags every benchmark takes (--quick, --out); add the benchmark's own to the result."""
     parser = argparse.ArgumentParser(prog=program_name(), description=description,

@@ -42,9 +42,10 @@ import torch
 from rich.logging import RichHandler
 from scipy.stats import spearmanr
 
-from bench.common import (TARGET_COLUMNS, BenchResult, HelpFormatter, add_seeds, bench_argparser, over_seeds, pm,
-                          seeds_of, target)
-from bench.mobiletl import load_data, pretrain
+from bench import realistic
+from bench.common import (TARGET_COLUMNS, BenchResult, HelpFormatter, add_seeds, add_workload, bench_argparser,
+                          over_seeds, parse_workload, pm, result_name, seeds_of, target)
+from bench.mobiletl import load_data, model_key, pretrain
 from edgeflux.colours import method_colour
 from edgeflux.elastic import (ElasticBudgetError, ElasticOptions, classifier_names, profile_tensors, random_selections,
                               validate_time_model)
@@ -64,6 +65,11 @@ TARGET_LEVELS = (0.95, 0.98, 1.0)       # time-to-accuracy targets, x full train
 OVERHEAD_PARTS = ("profile_s", "importance_s", "select_s")    # where the selection overhead goes, seconds
 METRICS = ("test_acc", "wall_s", "train_time_s", "speedup_vs_full", "train_speedup_vs_full", "overhead_frac",
            "selected_frac", "predicted_step_s", "measured_step_s", "size_rank_corr", *OVERHEAD_PARTS)
+# --workload realistic: the photo folder at the realistic preset's size on torchvision's full-width ResNet-18 (a seed
+# of it takes 15 min on 2 cores; --models resnet18 mobilenet_v2 doubles that, VGG-16 at full width is hours); its
+# defaults, where a flag is left at the default workload's
+REALISTIC = dict(models=["resnet18"], pretrain_samples=100_000, pretrain_epochs=4,
+                 train_samples=100_000, val_samples=100_000, adam_models=[], selections=10)
 QUICK = dict(models=["resnet18"], rhos=[0.5], pretrain_samples=512, pretrain_epochs=1, train_samples=512,
              val_samples=256, test_samples=256, epochs=1, selections=6)
 
@@ -92,15 +98,20 @@ def parse_args(argv=None):
                         help="models of the Adam study (none: skip it)")
     parser.add_argument("--adam-lr", type=float, default=1e-3, help="the Adam study's learning rate")
     parser.add_argument("--selections", type=int, default=20, help="random selections that validate the time model")
+    add_workload(parser, "Fashion-MNIST at 32 px, the zoo's models at the widths above",
+                 f"bench.realistic's photo folder at {realistic.PHOTO_PX} px (3 channels), torchvision's architectures "
+                 "at full width", REALISTIC)
     add_seeds(parser, "pre-trained weights, fine-tuning order")
-    args = parser.parse_args(argv)
+    args = parse_workload(parser, argv)
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
     args.seeds = seeds_of(args)
     if any(not 0 < r <= 1 for r in args.rhos):
         parser.error(f"--rhos must be in (0, 1], got {args.rhos}")
-    args.width, args.bn_momentum, args.image_size = None, 0.1, 32     # what bench.mobiletl's pretrain reads
+    # what bench.mobiletl's load_data and pretrain read
+    args.width, args.bn_momentum = None, 0.1
+    args.image_size = realistic.PHOTO_PX if args.workload == "realistic" else 32
     return args
 
 
@@ -199,7 +210,7 @@ def seed_runs(name: str, seed: int, args, data, splits) -> tuple[list[dict], dic
     source, target = splits
     args.width = MODELS[name]
     pretrained, _ = pretrain(name, args, len(data.classes), source, seed)
-    key = f"{name}-w{MODELS[name]:g}"
+    key = model_key(name, args)
     check = validate(pretrained, args, target, seed)
     log.info("%s, seed %d: time model error %.1f%% mean over %d selections", key, seed, 100 * check["timing_error"],
              args.selections)
@@ -224,7 +235,7 @@ def targets(seed_rows: list[dict], tta: list[dict], checks: list[dict]) -> list[
         sgd = [r for r in seed_rows if r["model"] == model and r["optimizer"] == "sgd"]
         pairs = [(next(r for r in sgd if r["method"] == "full" and r["seed"] == e["seed"]), e) for e in sgd
                  if e["method"] == "elastic" and e["rho"] == 0.5 and not e["infeasible"]]
-        if model.split("-")[0] in SPEEDUP_MODELS and pairs:
+        if model.removeprefix("tv-").split("-")[0] in SPEEDUP_MODELS and pairs:
             out += [target("training steps' speed-up over full training, rho 0.5 (x)", TRAIN_SPEEDUP,
                            [e["train_speedup_vs_full"] for _, e in pairs], model=model),
                     target("end-to-end speed-up over full training, rho 0.5 (x)", END_TO_END,
@@ -259,7 +270,7 @@ def plot(rows: list[dict], seed: int, path: Path) -> None:
                ylabel="validation accuracy, target classes (%)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")
-    fig.suptitle(f"ElasticTrainer vs baselines: accuracy per epoch against training time (SGD, seed {seed})",
+    fig.suptitle(f"ElasticTrainer vs baselines: accuracy per epoch\nagainst training time (SGD, seed {seed})",
                  fontsize=10)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -282,6 +293,11 @@ def summary(rows: list[dict]) -> list[dict]:
     return out
 
 
+DATA = {"default": "Data: Fashion-MNIST (1 channel, 32x32), the zoo's CIFAR-style models at the widths above.\n",
+        "realistic": "Data: bench.realistic's photo folder (Fashion-MNIST upscaled to 3-channel PNGs, read at "
+                     f"{realistic.PHOTO_PX}x{realistic.PHOTO_PX}), "
+                     "split by classes as above; torchvision's architectures at full width from random weights, "
+                     "pre-trained here on the source classes.\n"}
 NOTES = """Figures are means over the seeds ± the 95% interval's half-width (Student's t); targets are judged by the
 interval of their per-seed values (met: all of it clears the bound; not met: none of it; not shown: it spans it).
 wall_s: the whole run (batch measurement, training, the per-epoch validation and test evaluation, the final test);
@@ -298,7 +314,7 @@ Time to accuracy: seconds of training (overhead included) until the per-epoch va
 
 
 def write(seed_rows: list[dict], checks: list[dict], tta: list[dict], args, started: float) -> None:
-    out = Path(args.out)
+    out, name = Path(args.out), result_name(NAME, args)
     rows = over_seeds([{k: v for k, v in r.items() if k not in ("selections", "tensors", "curve")} for r in seed_rows],
                       ("model", "method", "optimizer", "importance", "rho"), METRICS)
     goals = targets(seed_rows, tta, checks)
@@ -310,20 +326,22 @@ def write(seed_rows: list[dict], checks: list[dict], tta: list[dict], args, star
                        "fastest baseline", tta)
     result.add_section("Time model (per model and seed, at the training batch)",
                        [{k: v for k, v in c.items() if k != "validation"} for c in checks])
-    notes = NOTES + ("\n--quick: 512 images and 1 epoch: accuracies and speed-ups are not meaningful.\n"
-                     if args.quick else "") + f"\nbench time {time.perf_counter() - started:.0f}s.\n"
-    result.write(NAME, out, title="ElasticTrainer vs full training, last layer and BN+Bias (class-split transfer)",
+    notes = NOTES + DATA[args.workload] + ("\n--quick: 512 images and 1 epoch: accuracies and speed-ups are not "
+                                          "meaningful.\n" if args.quick else "") + \
+        f"\nbench time {time.perf_counter() - started:.0f}s.\n"
+    result.write(name, out, title="ElasticTrainer vs full training, last layer and BN+Bias (class-split transfer)",
                  md_rows=summary(rows), notes=notes,
-                 extra={"n_seeds": len(args.seeds), "settings": {k: v for k, v in vars(args).items() if k != "out"},
+                 extra={"n_seeds": len({r["seed"] for r in seed_rows}),
+                        "settings": {k: v for k, v in vars(args).items() if k != "out"},
                         "targets": goals, "time_to_accuracy": tta, "validation": checks,
                         "curves": [{k: r[k] for k in ("model", "method", "optimizer", "importance", "rho", "seed",
                                                       "curve")} for r in seed_rows],
                         "bench_s": time.perf_counter() - started})
-    plot(seed_rows, args.seeds[0], out / f"{NAME}.png")
+    plot(seed_rows, args.seeds[0], out / f"{name}.png")
     for r in seed_rows:
         if r["method"] == "elastic" and r["rho"] == 0.5 and r["optimizer"] == "sgd" and r["seed"] == args.seeds[0] \
                 and r["selections"]:
-            plot_selections(r["tensors"], r["selections"], out / f"{NAME}_selections_{r['model']}.png",
+            plot_selections(r["tensors"], r["selections"], out / f"{name}_selections_{r['model']}.png",
                             f"elastic rho 0.5, {r['model']}, seed {r['seed']}")
 
 
@@ -343,7 +361,7 @@ def main(argv=None) -> None:
             seed_rows += runs
             checks.append({"model": runs[0]["model"], **check})
             tta += table2([r for r in runs if r["optimizer"] == "sgd"])
-    write(seed_rows, checks, tta, args, started)
+        write(seed_rows, checks, tta, args, started)   # after every seed: a stopped run keeps the seeds done
     log.info("bench time %.0fs", time.perf_counter() - started)
 
 

@@ -46,8 +46,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch import nn
 from torchvision.models import mobilenetv2, mobilenetv3
 
-from bench.common import (TARGET_COLUMNS, BenchResult, HelpFormatter, add_seeds, bench_argparser, over_seeds, pm,
-                          seeds_of, target)
+from bench import realistic
+from bench.common import (TARGET_COLUMNS, BenchResult, HelpFormatter, add_seeds, add_workload, bench_argparser,
+                          over_seeds, parse_workload, pm, result_name, seeds_of, target)
 from edgeflux.backprop import train_under_budget
 from edgeflux.bittrain import BitTrainOptions
 from edgeflux.data import load_raw, prepare, tensors
@@ -80,6 +81,15 @@ MEMORY_TARGET = 0.167          # MobileTL-3BLKs' peak this much below FT-3BLKs' 
 ALL_TOLERANCE = 0.6            # points: MobileTL-5BLKs at most this far below FT-All (the paper's abstract, V3)
 FLOPS_TARGET = 0.36            # MobileTL-5BLKs' training FLOPs this much below FT-All's (the same sentence)
 LATENCY_TARGET = 1.8           # FT-All step latency / MobileTL-3BLKs' (the paper's Table 6: 1.82x on a Pi 4)
+# --workload realistic: the photo folder at the realistic preset's size on torchvision's full-width architectures,
+# where a step's memory is activations; its defaults, where a flag is left at the default workload's
+REALISTIC = dict(image_size=realistic.PHOTO_PX, pretrain_samples=100_000, pretrain_epochs=4,
+                 train_samples=100_000, val_samples=100_000, epochs=3, skip_budget=True)
+DATA = {"default": "Fashion-MNIST (1 channel, {args.image_size}x{args.image_size}, the zoo's models at width "
+                   "{args.width:g})",
+        "realistic": "bench.realistic's photo folder (Fashion-MNIST upscaled to 3-channel PNGs, read at "
+                     "{args.image_size}x{args.image_size}; torchvision's architectures at full width, from random "
+                     "weights)"}
 QUICK_NOTE = ("--quick: 512 images and 1 epoch are too few for the target classes to be learnt (the accuracies are "
               "not meaningful); memory, FLOPs and latency are measured as in the full run.\n")
 QUICK = dict(models=["mobilenet_v3_small"], pretrain_samples=512, pretrain_epochs=1, train_samples=512,
@@ -134,8 +144,10 @@ def parse_args(argv=None):
     parser.add_argument("--block-batch", type=int, default=8, help="block case: batch of the block input")
     parser.add_argument("--block-size", type=int, default=7, help="block case: height and width of the block input")
     parser.add_argument("--skip-budget", action="store_true", help="leave out the budget case")
+    add_workload(parser, "Fashion-MNIST at --image-size, the zoo's models at --width",
+                 "bench.realistic's photo folder (3 channels), torchvision's architectures at full width", REALISTIC)
     add_seeds(parser, "pre-trained weights, fine-tuning order; the block case is deterministic and runs once")
-    args = parser.parse_args(argv)
+    args = parse_workload(parser, argv)
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
@@ -257,8 +269,12 @@ def add_reductions(rows: list[dict], details: list[dict]) -> list[dict]:
 # ----------------------------------------------------------------------------- (b), (c) transfer
 
 def load_data(args):
-    data = prepare(load_raw("fashion-mnist"), image_size=args.image_size, val_fraction=0.1, seed=0,
-                   split_by="classes", source_classes=SOURCE_CLASSES)
+    """The source and target splits (by classes) of the workload's data: Fashion-MNIST, or the photo folder."""
+    if args.workload == "realistic":
+        data = realistic.photo_data("classes", SOURCE_CLASSES, args.image_size)
+    else:
+        data = prepare(load_raw("fashion-mnist"), image_size=args.image_size, val_fraction=0.1, seed=0,
+                       split_by="classes", source_classes=SOURCE_CLASSES)
     source = {"train": tensors(data, "source_train", limit=args.pretrain_samples),
               "val": tensors(data, "source_val", limit=args.val_samples),
               "test": tensors(data, "source_test", limit=args.test_samples)}
@@ -268,9 +284,19 @@ def load_data(args):
     return data, source, target
 
 
+def model_spec(name: str, args) -> dict:
+    """build_model's arguments for a model of the workload (classes and seed aside)."""
+    if args.workload == "realistic":
+        return dict(name=name, in_channels=3, image_size=args.image_size, arch="torchvision")
+    return dict(name=name, in_channels=1, width=args.width, image_size=args.image_size)
+
+
+def model_key(name: str, args) -> str:
+    return f"tv-{name}" if args.workload == "realistic" else f"{name}-w{args.width:g}"
+
+
 def pretrain(name: str, args, num_classes: int, source: dict, seed: int) -> tuple[nn.Module, dict]:
-    model = build_model(name, num_classes=num_classes, in_channels=1, width=args.width, image_size=args.image_size,
-                        seed=seed)
+    model = build_model(**model_spec(name, args), num_classes=num_classes, seed=seed)
     if args.bn_momentum > 0:
         for m in model.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
@@ -500,6 +526,7 @@ def mib(n) -> str:
 
 def write(rows: list[dict], args, extra: dict, started: float) -> None:
     """rows: the block case's, then the transfer and budget cases' means over the seeds (over_seeds)."""
+    stem = result_name(NAME, args)
     result = BenchResult()
     result.rows = rows
     md_rows = [{"case": r["case"], "model": r["model"],
@@ -544,8 +571,8 @@ transform_block: the intermediate BatchNorms shift-only (nothing saved), the act
 saved); the conv block has one BatchNorm, which stays trainable as a block's last BN does in MobileTL, so its
 "mobiletl" row only has the sign-backward activation. The JSON's block_details has the saved bytes per autograd node.
 
-Transfer case: Fashion-MNIST split by classes (source {SOURCE_CLASSES}, target the others; label ids kept, 10-output
-models, as the pipeline does), 1 channel, {args.image_size}x{args.image_size}, width {args.width:g}. Pre-training: plain backprop
+Transfer case: {DATA[args.workload].format(args=args)} split by classes (source {SOURCE_CLASSES}, target the others; label
+ids kept, 10-output models, as the pipeline does). Pre-training: plain backprop
 (edgeflux.backprop.train_under_budget, no budget), Adam lr {args.pretrain_lr:g}, batch 64: {pre}. BatchNorm
 momentum {args.bn_momentum:g} in every model (0: the model's own; torchvision's MobileNetV3 has 0.01, with which
 a pre-training this short leaves eval-mode accuracy at chance). Fine-tuning
@@ -570,16 +597,16 @@ largest batch (<= {args.max_batch}) whose measured step fits it, the same epochs
 measured at that batch, FLOPs = edgeflux.finetune's count per sample x that batch, step ms = mean training step time of that run.
 
 {QUICK_NOTE if args.quick else ""}torch intra-op threads: {torch.get_num_threads()}; bench time {time.perf_counter() - started:.0f}s.
-Plot: {NAME}.png (accuracy vs measured peak, FLOPs as marker size; block saved bytes).
+Plot: {stem}.png (accuracy vs measured peak, FLOPs as marker size; block saved bytes).
 """
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    json_path, md_path = result.write(NAME, args.out, title="MobileTL vs fine-tuning baselines: one block, transfer "
+    json_path, md_path = result.write(stem, args.out, title="MobileTL vs fine-tuning baselines: one block, transfer "
                                                             "learning, one budget",
                                       columns=columns, md_rows=md_rows, notes=notes,
                                       extra={"settings": settings, "n_seeds": len(args.seeds), **extra})
-    plot(rows, Path(args.out) / f"{NAME}.png", args.block_size)
+    plot(rows, Path(args.out) / f"{stem}.png", args.block_size)
     print(md_path.read_text())
-    print(f"wrote {json_path}, {md_path} and {Path(args.out) / f'{NAME}.png'}")
+    print(f"wrote {json_path}, {md_path} and {Path(args.out) / f'{stem}.png'}")
 
 
 def model_rows(name: str, seed: int, args, data, splits: tuple[dict, dict], extra: dict, shown) -> list[dict]:
@@ -589,7 +616,7 @@ def model_rows(name: str, seed: int, args, data, splits: tuple[dict, dict], extr
     progress.update(task, description=f"pretrain {name}, seed {seed}")
     pretrained, info = pretrain(name, args, len(data.classes), source, seed)
     extra["pretrain"].append(info)
-    key = f"{name}-w{args.width:g}"
+    key = model_key(name, args)
     rows, details = transfer_rows(key, pretrained, args, target, progress, task, seed)
     extra["details"] += details
     ft_all = next((r for r in rows if r["method"] == "ft_all"), None)

@@ -27,11 +27,23 @@ import yaml
 
 from bench.common import BenchResult, bench_argparser
 from edgeflux.neuroflux.plots import _pyplot, _save
+from edgeflux.presets import load_preset
 
 NAME, PRESET = "realistic", "realistic-128"
+PHOTO_PX = load_preset(PRESET).params["data.image_size"]   # the preset's photo size, which the benchmarks read at
 MIB = 2**20
 PHOTOS = Path("data/realistic-photos")      # where the preset's data.root points, relative to the repository
 PHOTOS_PER_CLASS, TEST_PER_CLASS, PHOTO_SIZE = 300, 100, 160
+
+
+def photo_data(split_by: str, source_classes: list[int] | None = None, image_size: int = PHOTO_PX):
+    """The photo folder (made when absent) read as the preset reads it: 3 channels at ``image_size``, split by
+    edgeflux.data.prepare (``split_by``: none, data or classes), 10% of the training photos for validation."""
+    from edgeflux.data import load_raw, prepare
+
+    raw = load_raw("imagefolder", root=make_photos(PHOTOS), image_size=image_size, channels=3)
+    return prepare(raw, image_size=image_size, channels=3, val_fraction=0.1, seed=0, split_by=split_by,
+                   source_classes=source_classes)
 
 
 def make_photos(root: Path) -> Path:

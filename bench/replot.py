@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from bench.common import RESULTS_DIR
@@ -37,14 +38,14 @@ def _accumulate(d: dict, out: Path) -> None:
     plot(d["rows"], out / "accumulate.png")
 
 
-def _mobiletl(d: dict, out: Path) -> None:
+def _mobiletl(d: dict, out: Path, name: str = "mobiletl") -> None:
     from bench.mobiletl import plot
-    plot(d["rows"], out / "mobiletl.png", d["settings"]["block_size"])
+    plot(d["rows"], out / f"{name}.png", d["settings"]["block_size"])
 
 
-def _elastic(d: dict, out: Path) -> None:
+def _elastic(d: dict, out: Path, name: str = "elastic") -> None:
     from bench.elastic import plot
-    plot(d["curves"], d["settings"]["seeds"][0], out / "elastic.png")
+    plot(d["curves"], d["settings"]["seeds"][0], out / f"{name}.png")
 
 
 def _neuroflux(d: dict, out: Path) -> None:
@@ -96,8 +97,9 @@ def _meanet(d: dict, out: Path) -> None:
 
 FIGURES: dict[str, Callable[[dict, Path], None]] = {
     "accumulate": _accumulate, "batch_throughput": _batch_throughput, "bittrain": _bittrain, "budget": _budget,
-    "elastic": _elastic, "meanet": _meanet,
-    "memory_baseline": _memory_baseline, "mobiletl": _mobiletl, "neuroflux": _neuroflux, "pipeline": _pipeline,
+    "elastic": _elastic, "elastic_realistic": partial(_elastic, name="elastic_realistic"), "meanet": _meanet,
+    "memory_baseline": _memory_baseline, "mobiletl": _mobiletl,
+    "mobiletl_realistic": partial(_mobiletl, name="mobiletl_realistic"), "neuroflux": _neuroflux, "pipeline": _pipeline,
     "plan": _plan, "realistic": _realistic, "servers": _servers, "tricks": _tricks,
 }
 

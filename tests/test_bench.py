@@ -548,6 +548,41 @@ def test_budget_realistic_workload_trains_torchvision_models_on_the_photo_folder
     assert build_model(**spec, seed=0)(x[:2]).shape == (2, 10)
 
 
+def test_mobiletl_and_elastic_realistic_workload_fine_tune_torchvision_models_on_the_photo_folder_split_by_classes(
+        monkeypatch, tmp_path):
+    """bench.mobiletl and bench.elastic --workload realistic: their defaults where a flag is not given, the photo
+    folder split by classes (the source classes pre-train, the others fine-tune), torchvision's MobileNetV2 at
+    3x128x128, and results beside the 32 px ones, not over them."""
+    from bench import elastic, mobiletl, realistic
+    from bench.common import result_name
+    from edgeflux.models import build_model, count_params
+    import torchvision
+    args = mobiletl.parse_args(["--workload", "realistic", "--epochs", "5"])
+    assert (args.image_size, args.pretrain_epochs, args.skip_budget, args.epochs) == (
+        realistic.PHOTO_PX, 4, True, 5)   # a given flag wins
+    plain = mobiletl.parse_args([])
+    assert (plain.image_size, plain.skip_budget, plain.pretrain_epochs) == (32, False, 2)
+    assert (result_name("mobiletl", args), result_name("mobiletl", plain)) == ("mobiletl_realistic", "mobiletl")
+    assert (mobiletl.model_key("mobilenet_v2", args), mobiletl.model_key("mobilenet_v2", plain)) == (
+        "tv-mobilenet_v2", "mobilenet_v2-w0.5")
+    e_args, e_plain = elastic.parse_args(["--workload", "realistic"]), elastic.parse_args([])
+    assert (e_args.models, e_args.adam_models, e_args.image_size) == (["resnet18"], [], realistic.PHOTO_PX)
+    assert (e_plain.models, e_plain.adam_models, e_plain.image_size) == (["resnet18", "vgg16", "mobilenet_v2"],
+                                                                         ["resnet18"], 32)
+    monkeypatch.setattr(realistic, "PHOTOS_PER_CLASS", 2)
+    monkeypatch.setattr(realistic, "TEST_PER_CLASS", 1)
+    monkeypatch.setattr(realistic, "PHOTOS", tmp_path / "photos")
+    _, source, target = mobiletl.load_data(args)
+    assert sorted(set(source["test"][1].tolist())) == mobiletl.SOURCE_CLASSES
+    assert sorted(set(target["test"][1].tolist())) == [5, 6, 7, 8, 9]
+    x = target["train"][0]
+    assert tuple(x[:2].shape) == (2, 3, realistic.PHOTO_PX, realistic.PHOTO_PX)
+    model = build_model(**mobiletl.model_spec("mobilenet_v2", args), num_classes=10, seed=0)
+    assert model(x[:2]).shape == (2, 10)
+    assert count_params(model) == count_params(torchvision.models.mobilenet_v2(num_classes=10))
+    assert model.describe()[0].out_shape == (32, 64, 64)   # ImageNet's stride-2 stem, not the zoo's CIFAR one
+
+
 def test_budget_figure_hatches_a_bar_timed_in_another_run_than_its_budgets_others(monkeypatch, tmp_path):
     import bench.budget
     import edgeflux.neuroflux.plots as plots
@@ -656,9 +691,13 @@ def test_headline_table_is_what_the_committed_results_say_and_judges_only_by_int
          "lo": 46.4, "hi": 46.4, "n_seeds": None, "verdict": "met"}]}))
     (tmp_path / "neuroflux.json").write_text(json.dumps({"targets": [
         {"target": "vgg16-w0.25: trains where backprop cannot", "measured": "at 6.7 MiB", "met": True}]}))
-    for name in ("bittrain", "elastic", "meanet"):
+    (tmp_path / "mobiletl_realistic.json").write_text(json.dumps({"targets": [   # another workload's, beside
+        {"model": "tv-m", "target": "MobileTL-3BLKs' peak below FT-3BLKs' (%) >= +16.7", "mean": 30.0,
+         "lo": 30.0, "hi": 30.0, "n_seeds": 3, "verdict": "met"}]}))
+    for name in ("bittrain", "elastic", "elastic_realistic", "meanet"):
         (tmp_path / f"{name}.json").write_text(json.dumps({"targets": []}))
     rows = {r["model"]: r for r in headlines.rows(tmp_path)}
+    assert rows["tv-m"]["results"] == "bench/results/mobiletl_realistic.md" and "16.7%" in rows["tv-m"]["claim"]
     assert (rows["m"]["figure"], rows["m"]["verdict"]) == ("0.1 [-0.9, 1.1]", "not shown")
     assert (rows["mbv2_irb"]["seeds"], rows["mbv2_irb"]["verdict"]) == ("exact", "met")
     assert rows["vgg16-w0.25"]["verdict"] == "not judged (one seed; the seed met it)"
