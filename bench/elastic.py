@@ -25,6 +25,7 @@ interval of their per-seed values.
 
     python -m bench.elastic --threads 2                  # full run, 3 seeds, results in bench/results/
     python -m bench.elastic --quick --out /tmp/bench     # CI-sized: ResNet-18 only, 1 epoch, 1 seed
+    python -m bench.elastic --threads 2 --workload realistic   # photos at 128 px, torchvision's ResNet-18 (43 min)
 """
 from __future__ import annotations
 

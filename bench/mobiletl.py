@@ -23,6 +23,7 @@
 
     python -m bench.mobiletl --threads 2                # full run, 3 seeds (about 55 min on 2 cores), results in bench/results/
     python -m bench.mobiletl --quick --out /tmp/bench   # CI-sized: MobileNetV3-small only, < 2 min on 1 thread
+    python -m bench.mobiletl --threads 2 --workload realistic   # photos at 128 px, torchvision's models (37 min)
     python -m bench.mobiletl --models mobilenet_v2 --skip-budget --out /tmp/bench
 """
 from __future__ import annotations
