@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from bench.budget import bp_options, default_splits, model_spec, workload_parser
-from bench.common import METHOD_COLOURS, BenchResult, fmt_ci, mean_ci, read_parts
+from bench.common import METHOD_COLOURS, BenchResult, fmt_ci, mean_ci, read_parts, runs_notes
 from edgeflux.models import build_model
 from edgeflux.train import TrainRun, evaluate, fit
 
@@ -146,7 +146,7 @@ def main(argv=None) -> None:
             raise SystemExit(f"cannot merge runs of different experiments: {', '.join(differ)} differ between "
                              f"{', '.join(map(str, args.combine))}")
         rows = [{"seeds": part["settings"]["seeds"], **r} for part in parts for r in part["rows"]]
-        notes = " | ".join(f"`{part['command']}`: {part['notes']}" for part in parts)
+        notes = runs_notes(measured_by["runs"])
         return write(merged(rows), args, notes, [part["settings"] for part in parts], measured_by)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -27,6 +27,9 @@ seeds' choice) says so; auto's time over the fastest method's is paired by seed.
     python -m bench.budget --threads 2 --workload realistic  # photos at 128 px, torchvision's MobileNetV2
     python -m bench.budget --models vgg16 --out /tmp/b       # one model; --combine merges parts
     python -m bench.budget --quick --out /tmp/bench
+
+Every run (a method, a budget, a seed) is logged to --out's budget_runs.jsonl as it ends: the same command started
+again after a stop takes the runs it finished from there and runs the rest (--fresh: every run again).
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ from pathlib import Path
 import torch
 
 from bench.common import (METHOD_COLOURS, BenchResult, HelpFormatter, add_workload, fmt_ci, mean_ci, parse_workload,
-                          program_name, read_parts, RESULTS_DIR)
+                          program_name, read_parts, RESULTS_DIR, RunLog, runs_notes)
 from bench.neuroflux import run_local
 from bench import realistic
 from edgeflux.backprop import train_under_budget
@@ -70,6 +73,8 @@ METHODS = {"backprop": "backprop", "backprop-accumulate": "accumulation", "backp
            "auto": "method: auto"}
 BACKPROP_METHODS = tuple(m for m in METHODS if m.startswith("backprop"))
 REFERENCE_BATCH = 32
+# flags that choose which runs a benchmark makes, not how a run is made: a finished run is resumed across them
+PER_RUN = ("out", "models", "fractions", "methods", "seeds", "combine", "fresh", "run")
 EVAL_BATCH = 500   # evaluation is not timed: at the training batch it would take longer than the training
 log = logging.getLogger("bench.budget")
 
@@ -106,6 +111,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=256, help="batch size limit of every method")
     p.add_argument("--nf-profile-batches", type=int, nargs="+", default=[16, 32, 64, 128],
                    help="the batches NeuroFlux's profile measures each unit at")
+    p.add_argument("--fresh", action="store_true",
+                   help=f"run every seed again: without it, a run that --out's {NAME}_runs.jsonl holds under the same "
+                        "settings (a stopped benchmark's) is taken from there")
     add_workload(p, "Fashion-MNIST at 32 px, the zoo's models at --width",
                  f"the photo folder of bench.realistic at {PHOTO_PX} px, torchvision's architectures (full width)",
                  REALISTIC)
@@ -232,8 +240,9 @@ def summary(model: str, method: str, budget: int, frac: float, runs: list[dict])
             "within_budget": all(r["peak_bytes"] <= budget for r in runs), "curves": [r["curve"] for r in runs]}
 
 
-def budget_rows(name: str, splits: dict, args) -> Iterator[list[dict]]:
-    """Each budget's rows of one model, one budget at a time."""
+def budget_rows(name: str, splits: dict, args, done: RunLog) -> Iterator[list[dict]]:
+    """Each budget's rows of one model, one budget at a time; a run ``done`` holds is taken from it, every other
+    is logged to it as it finishes."""
     spec = model_spec(name, args)
     model = bp_options("backprop", spec, None, 0, args).model.key
     shape = (spec["in_channels"], spec["image_size"], spec["image_size"])
@@ -248,14 +257,17 @@ def budget_rows(name: str, splits: dict, args) -> Iterator[list[dict]]:
         for method in args.methods:
             runs = []
             for seed in args.seeds:
-                r = run[method](spec, splits, budget, seed, args) if method in run else \
-                    run_backprop(method, spec, splits, budget, seed, args)
+                r = done.get(model, budget, method, seed)
+                if r is None:
+                    r = done.add({**(run[method](spec, splits, budget, seed, args) if method in run else
+                                     run_backprop(method, spec, splits, budget, seed, args)), "run": args.run},
+                                 model, budget, method, seed)
                 runs.append({**r, "seed": seed})
                 if not r["feasible"]:
                     break   # the budget, not the seed, decides
             rows.append(summary(model, method, budget, frac, runs))
-            rows[-1].update(reference_bytes=reference, run=args.run, workload=args.workload,
-                            target_acc=args.target_acc)
+            rows[-1].update(reference_bytes=reference, run="+".join(sorted({r["run"] for r in runs})),
+                            workload=args.workload, target_acc=args.target_acc)
             print(f"  {METHODS[method]}: {_cell(rows[-1])}", flush=True)
         yield mark_auto(rows)
 
@@ -451,7 +463,7 @@ def main(argv=None) -> None:
                 r.setdefault("machine", part["machine"]["cpu"])
                 r.setdefault("run", part["machine"]["date"][:16])
                 r.setdefault("target_acc", part["settings"]["target_acc"])
-        notes = " | ".join(f"`{part['command']}`: {part['notes']}" for part in parts)
+        notes = runs_notes(measured_by["runs"])
         rows = mark_auto(rows)   # a row measured again replaces the earlier one
         left = {r["machine"] for r in rows}   # the header names the latest machine whose rows are kept
         measured_by["machine"] = next(p["machine"] for p in reversed(parts) if p["machine"]["cpu"] in left)
@@ -462,8 +474,13 @@ def main(argv=None) -> None:
     splits = default_splits(args)
     args.run = datetime.now(timezone.utc).isoformat(timespec="minutes")   # which rows were measured together
     started, rows, total = time.perf_counter(), [], len(args.models) * len(args.fractions)
+    finished = RunLog(args.out / f"{NAME}_runs.jsonl", {k: v for k, v in vars(args).items() if k not in PER_RUN},
+                      fresh=args.fresh)
+    if finished.done:
+        print(f"resuming: {len(finished.done)} finished runs from {finished.path} (--fresh: run them again)",
+              flush=True)
     for name in args.models:
-        for budget in budget_rows(name, splits, args):   # written after every budget: a stopped run keeps them
+        for budget in budget_rows(name, splits, args, finished):   # written after every budget: a stopped run keeps them
             rows += budget
             done = len({(r["model"], r["budget_bytes"]) for r in rows})
             write(rows, args, f"Workload {args.workload}: {DATA[args.workload]}, {len(splits['train'][1])} training "

@@ -158,14 +158,16 @@ class BenchResult:
         extra: more top-level JSON fields (settings, fits, ...). Every results file has a top-level n_seeds, how many
         seeds its rows cover: 1 unless extra says more (a benchmark without --seeds measures one run).
         measured_by: {"machine", "command"} of the run that measured the rows, when they are written
-        again elsewhere (re-rendered from its JSON); default: this machine and command.
+        again elsewhere (re-rendered from its JSON); default: this machine and command. Its ``runs`` (a merge's,
+        read_parts) are kept in the JSON, so that merging the merge again lists each run once.
         """
         out = Path(results_dir)
         out.mkdir(parents=True, exist_ok=True)
         info, command = (measured_by["machine"], measured_by["command"]) if measured_by else \
             (machine_info(), command_line())
         payload = {"benchmark": name, "title": title or name, "command": command, "machine": info,
-                   "rows": self.rows, "sections": self.sections, "notes": notes, "n_seeds": 1, **(extra or {})}
+                   "rows": self.rows, "sections": self.sections, "notes": notes, "n_seeds": 1, **(extra or {}),
+                   **({"runs": measured_by["runs"]} if measured_by and measured_by.get("runs") else {})}
         json_path, md_path = out / f"{name}.json", out / f"{name}.md"
         json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
 
@@ -181,10 +183,58 @@ class BenchResult:
 
 def read_parts(paths: Sequence[str | Path]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
     """Results files of runs to merge into one (a benchmark's --combine): the parts, their rows in order, and the
-    measured_by BenchResult.write takes (the first part's machine, every part's command joined by &&)."""
+    measured_by BenchResult.write takes (the first part's machine, every run's command joined by &&, and ``runs``:
+    each run's command and notes, once; a part that is itself a merge brings its runs, not itself)."""
     parts = [json.loads(Path(p).read_text()) for p in paths]
+    runs = [run for part in parts for run in part.get("runs") or [{"command": part["command"], "notes": part["notes"]}]]
     return parts, [r for part in parts for r in part["rows"]], {
-        "machine": parts[0]["machine"], "command": " && ".join(part["command"] for part in parts)}
+        "machine": parts[0]["machine"], "command": " && ".join(run["command"] for run in runs), "runs": runs}
+
+
+class RunLog:
+    """A long benchmark's finished runs, each one JSON line of ``path`` the moment it finishes. Started again with
+    the same settings and --out, the benchmark takes these instead of running them again: each run is measured on
+    its own (its own weights, data order and clock), so the resumed table is the one an uninterrupted run writes, up
+    to the machine's speed between the two. Lines of other settings are kept and not read; a line a stop cut short
+    is dropped. ``fresh``: forget every line (the file is removed)."""
+
+    def __init__(self, path: str | Path, settings: dict[str, Any], fresh: bool = False) -> None:
+        self.path, self.settings = Path(path), json.loads(json.dumps(settings, default=str))
+        self.done: dict[str, dict[str, Any]] = {}
+        if fresh:
+            self.path.unlink(missing_ok=True)
+        text = self.path.read_text() if self.path.exists() else ""
+        for line in text.splitlines():
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if entry.get("settings") == self.settings:
+                self.done[entry["key"]] = entry["result"]
+        if text and not text.endswith("\n"):   # the next line must not join the cut one
+            with self.path.open("a") as f:
+                f.write("\n")
+
+    def get(self, *key: Any) -> dict[str, Any] | None:
+        """The result logged under ``key`` with these settings, or None."""
+        return self.done.get(json.dumps(key, default=str))
+
+    def add(self, result: dict[str, Any], *key: Any) -> dict[str, Any]:
+        """Log ``result`` under ``key`` (on disk before this returns); returns it as a resumed run reads it."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        entry = json.loads(json.dumps({"key": json.dumps(key, default=str), "settings": self.settings,
+                                       "result": result}, default=str))
+        with self.path.open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.done[entry["key"]] = entry["result"]
+        return entry["result"]
+
+
+def runs_notes(runs: Sequence[dict[str, Any]]) -> str:
+    """The notes of merged runs (read_parts' ``runs``): one line per run, its command and what it noted."""
+    return "\n".join([f"Merged from {len(runs)} runs:", "", *(f"- `{r['command']}`: {r['notes']}" for r in runs)])
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

@@ -50,10 +50,11 @@ def plot_accuracy_vs_time(curves: dict[str, Curve], out: Path, target_acc: float
     fig, ax = plt.subplots(figsize=(8, 5))
     for label, curve in curves.items():
         if (points := _points(curve)) is not None:
-            # a composition dashed: its curve may lie on its method's (MobileTL + BitTrain trains as MobileTL)
+            # a composition thin, dashed and on top of a wide line for its method: its curve may lie on the
+            # method's (MobileTL + BitTrain trains as MobileTL), which then still shows at both edges
             dashed = " + " in label or " on " in label
-            ax.plot(*points, marker="o", markersize=3, label=label, color=method_colour(label),
-                    linestyle="--" if dashed else "-")
+            ax.plot(*points, marker="o", markersize=3 if dashed else 5, label=label, color=method_colour(label),
+                    linestyle="--" if dashed else "-", linewidth=1.2 if dashed else 2.4, zorder=3 if dashed else 2)
     if target_acc is not None:
         ax.axhline(target_acc, color="grey", linestyle="--", linewidth=1, label=f"target {target_acc:.0%}")
     ax.set(xlabel="training CPU time (s, every thread; the wall clock stretches on a loaded machine)",

@@ -522,6 +522,40 @@ def test_budget_quick_keeps_the_results_contract_and_combines(tmp_path):
     merged = json.loads((again / "budget.json").read_text())["rows"]   # each row names the processor it ran on
     assert [{k: v for k, v in r.items() if k != "machine"} for r in merged] == rows
     assert {r["machine"] for r in merged} == {result["machine"]["cpu"]}
+    # a merge merged again with a new run lists each run once, with its own notes (not nested in the merge's)
+    twice = tmp_path / "twice"
+    subprocess.run([sys.executable, "-m", "bench.budget", "--combine", str(again / "budget.json"),
+                    str(tmp_path / "budget.json"), "--out", str(twice)], cwd=REPO, check=True, capture_output=True,
+                   text=True, timeout=300)
+    out = json.loads((twice / "budget.json").read_text())
+    assert out["runs"] == [{"command": result["command"], "notes": result["notes"]}] * 2
+    assert out["command"] == f"{result['command']} && {result['command']}"
+    assert out["notes"].count(result["notes"]) == 2 and f"`{result['command']}`: `" not in out["notes"] and "Merged from 2 runs" in (twice / "budget.md").read_text()
+
+
+def test_budget_resumes_a_stopped_run_from_its_finished_runs(tmp_path):
+    """Each finished run is logged as it ends; started again with the same flags, bench.budget takes those runs
+    (the table is the uninterrupted run's, to the second) and runs only what is missing: here the run whose line
+    the stop cut short. Other settings or --fresh run everything again."""
+    flags = ("--quick", "--threads", "1", "--methods", "backprop", "backprop-accumulate")
+    first = run_bench("budget", tmp_path, *flags, timeout=900)
+    log = tmp_path / "budget_runs.jsonl"
+    lines = log.read_text().splitlines()
+    assert len(lines) == 2 and all(json.loads(line)["result"]["feasible"] for line in lines)
+    log.write_text(lines[0] + "\n" + lines[1][:40])        # stopped while writing the second run's line
+    again = run_bench("budget", tmp_path, *flags, timeout=900)
+    strip = ("run", "curves", "times", "time_to_target_s", "ci95_s", "cpu_to_target_s", "time_ci", "cpu_ci",
+             "setup_s", "samples_per_s")
+    assert again["rows"][0] == first["rows"][0]             # taken from the log, not measured again
+    assert [{k: v for k, v in r.items() if k not in strip} for r in again["rows"]] == \
+        [{k: v for k, v in r.items() if k not in strip} for r in first["rows"]]   # the same training, rerun
+    kept, cut, rerun = log.read_text().splitlines()        # the cut line stays, unread, on its own line
+    assert '"backprop"' in json.loads(kept)["key"] and cut == lines[1][:40]
+    assert '"backprop-accumulate"' in json.loads(rerun)["key"]
+    run_bench("budget", tmp_path, *flags, "--max-batch", "200", timeout=900)   # other settings: none resumed
+    assert len(log.read_text().splitlines()) == 5
+    run_bench("budget", tmp_path, *flags, "--fresh", timeout=900)
+    assert len(log.read_text().splitlines()) == 2
 
 
 def test_budget_realistic_workload_trains_torchvision_models_on_the_photo_folder(monkeypatch, tmp_path):
