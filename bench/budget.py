@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -373,10 +374,14 @@ def plot(rows: list[dict], path: Path) -> None:
     from edgeflux.neuroflux.plots import _pyplot, _save
     plt = _pyplot()
     models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(1, len(models), figsize=(max(9, 6 * len(models)), 5.5), squeeze=False)
+    ncols = min(3, len(models))    # at most three panels a row: more stay readable on a page in rows
+    nrows = math.ceil(len(models) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(max(9, 6 * ncols), 5.5 * nrows), squeeze=False)
+    for ax in axes.flat[len(models):]:
+        ax.set_visible(False)
     methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
     hatched = False
-    for ax, model in zip(axes[0], models):
+    for ax, model in zip(axes.flat, models):
         fracs = sorted({r["budget_frac"] for r in rows if r["model"] == model}, reverse=True)
         width = 0.8 / len(methods)
         # a budget's bars compare when one run timed them: one timed in another run than most is hatched
@@ -414,7 +419,7 @@ def plot(rows: list[dict], path: Path) -> None:
             "two runs differ)" if hatched else ""
     fig.text(0.5, 0.01, "x: cannot train at this budget;  -: not every seed reached the target in the time limit"
              + other, ha="center", fontsize=9)
-    fig.tight_layout(rect=(0, 0.07 if other else 0.04, 1, 0.92))
+    fig.tight_layout(rect=(0, (0.07 if other else 0.04) / nrows, 1, 1 - 0.08 / nrows))
     _save(fig, path)
 
 
