@@ -206,6 +206,8 @@ def test_accumulation_under_a_budget_measures_the_closing_micro_batch(mnist_subs
                                 memory=MemoryOptions(budget="9MB", max_batch=256))
     assert 1 < result.batch_size < 64        # the budget leaves micro-batches below the effective batch
     assert result.step_memory.grad_bytes == sum(p.numel() * 4 for p in model.parameters())  # held throughout
+    # and SGD's momentum, made by the first group's step, is alive through every later micro-batch
+    assert result.step_memory.optimizer_bytes == sum(p.numel() * 4 for p in model.parameters())
     assert result.step_memory.peak_bytes <= 9_000_000
     assert result.train.steps == -(-256 // result.batch_size)
 

@@ -199,13 +199,23 @@ def _cuda_peak(step: Callable[[], Any], device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device)
 
 
+def warm_up(step, x: Tensor, y: Tensor) -> None:
+    """The steps before a measured one, so that it runs as in the middle of training: one step, which creates the
+    optimizer's state (SGD momentum, Adam moments). A step that accumulates micro-batches (every > 1) steps its
+    optimizer only where a group closes: it runs a whole group and the next group's micro-batches but the last,
+    so that the measured one closes a group with that state alive through its backward."""
+    accumulation = getattr(step, "accumulation", None)
+    for _ in range(2 * accumulation.every - 1 if accumulation is not None and accumulation.every > 1 else 1):
+        step(x, y)
+
+
 def measure_training_step(model: nn.Module, make_step: StepFactory, warmup: tuple[Tensor, Tensor],
                           batch: tuple[Tensor, Tensor], device: str | torch.device = "cpu",
                           process_stats: bool = True) -> StepMemory:
     """Measure one steady-state step of ``make_step(copy of model)`` on ``batch``; ``model`` is untouched.
 
     The step is the one the trainer runs (the same factory builds both), on a deep copy in training mode
-    (modules a method keeps in eval mode stay so). It takes one warm-up step on ``warmup`` first, so that
+    (modules a method keeps in eval mode stay so). It warms up on ``warmup`` first (warm_up), so that
     optimizer state (SGD momentum, Adam moments) exists as it does during training; the next step is
     measured. process_stats: see measure_step.
 
@@ -219,7 +229,7 @@ def measure_training_step(model: nn.Module, make_step: StepFactory, warmup: tupl
         torch.manual_seed(0)
         net = train_mode(copy.deepcopy(model).to(device))
         step = make_step(net)
-        step(warmup[0].to(device), warmup[1].to(device))
+        warm_up(step, warmup[0].to(device), warmup[1].to(device))
         x, y = batch[0].to(device), batch[1].to(device)
         accumulation = getattr(step, "accumulation", None)
         memory = measure_step(lambda: step(x, y), model=net, optimizer=step.optimizer, inputs=(x, y),
@@ -241,7 +251,7 @@ def live_tensor_peak(model: nn.Module, make_step: StepFactory, warmup: tuple[Ten
     allocate inside one op. For comparison only: a budget is held against the allocator's figure."""
     net = train_mode(copy.deepcopy(model))
     step = make_step(net)
-    step(*warmup)
+    warm_up(step, *warmup)
     for p in net.parameters():
         p.grad = None
     state = [*net.parameters(), *net.buffers(), *batch, *_tensors_of_state(step.optimizer)]

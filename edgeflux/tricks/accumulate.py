@@ -27,8 +27,9 @@ class Accumulation:
 
     @classmethod
     def measuring(cls, micro: int, effective: int) -> Accumulation:
-        """For the measured step: a warm-up micro-batch opens a group and the measured one closes it (its
-        optimizer step included), the costliest position; one micro-batch a step when the group is one."""
+        """For the measured step: groups of two, the measured micro-batch closing one (its optimizer step
+        included), the costliest position; edgeflux.memory.step.warm_up runs a group before it, so that the
+        optimizer's state is alive as in training. One micro-batch a step when the group is one."""
         return cls(micro, min(2, max(1, effective // micro)), samples=2**62)
 
     @property
