@@ -536,7 +536,7 @@ def test_budget_quick_keeps_the_results_contract_and_combines(tmp_path):
 def test_budget_resumes_a_stopped_run_from_its_finished_runs(tmp_path):
     """Each finished run is logged as it ends; started again with the same flags, bench.budget takes those runs
     (the table is the uninterrupted run's, to the second) and runs only what is missing: here the run whose line
-    the stop cut short. Other settings or --fresh run everything again."""
+    the stop cut short. Other settings or --fresh (RunLog's) run everything again."""
     flags = ("--quick", "--threads", "1", "--methods", "backprop", "backprop-accumulate")
     first = run_bench("budget", tmp_path, *flags, timeout=900)
     log = tmp_path / "budget_runs.jsonl"
@@ -552,10 +552,12 @@ def test_budget_resumes_a_stopped_run_from_its_finished_runs(tmp_path):
     kept, cut, rerun = log.read_text().splitlines()        # the cut line stays, unread, on its own line
     assert '"backprop"' in json.loads(kept)["key"] and cut == lines[1][:40]
     assert '"backprop-accumulate"' in json.loads(rerun)["key"]
-    run_bench("budget", tmp_path, *flags, "--max-batch", "200", timeout=900)   # other settings: none resumed
-    assert len(log.read_text().splitlines()) == 5
-    run_bench("budget", tmp_path, *flags, "--fresh", timeout=900)
-    assert len(log.read_text().splitlines()) == 2
+    from bench.common import RunLog
+
+    settings = json.loads(kept)["settings"]
+    assert len(RunLog(log, settings).done) == 2
+    assert not RunLog(log, {**settings, "max_batch": 200}).done      # other settings: nothing resumed
+    assert not RunLog(log, settings, fresh=True).done and not log.exists()   # --fresh
 
 
 def test_budget_realistic_workload_trains_torchvision_models_on_the_photo_folder(monkeypatch, tmp_path):
