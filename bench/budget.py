@@ -45,14 +45,15 @@ from pathlib import Path
 import torch
 
 from bench.common import (METHOD_COLOURS, BenchResult, HelpFormatter, add_workload, fmt_ci, mean_ci, parse_workload,
-                          program_name, read_parts, RESULTS_DIR, RunLog, runs_notes)
+                          model_args, program_name, read_parts, RESULTS_DIR, RunLog, runs_notes,
+                          workload_model)
 from bench.neuroflux import run_local
 from bench import realistic
 from edgeflux.backprop import train_under_budget
 from edgeflux.config import NeuroFluxParams, TrainBPParams
 from edgeflux.data import load_raw, prepare, tensors
 from edgeflux.memory import BudgetTooSmallError, format_bytes, measure_training_peak
-from edgeflux.models import ModelSpec, build_model
+from edgeflux.models import build_model
 from edgeflux.plan import NoFeasibleMethodError, fastest, plan_training
 from edgeflux.train import TrainRun, optimizer_factory
 from edgeflux.tricks import TrickOptions
@@ -146,14 +147,11 @@ def time_to(history: list[dict], target: float, offset: float) -> tuple[float, f
 
 def model_spec(name: str, args) -> dict:
     """build_model's arguments for a model of the workload (seed aside)."""
-    if args.workload == "realistic":
-        return dict(name=name, num_classes=10, in_channels=3, image_size=PHOTO_PX, arch="torchvision")
-    return dict(name=name, num_classes=10, in_channels=1, width=args.width, image_size=32, batch_norm=True)
+    return model_args(name, args, PHOTO_PX if args.workload == "realistic" else 32, 10)
 
 
 def bp_options(method: str, spec: dict, budget: int | None, seed: int, args) -> TrainBPParams:
-    model = ModelSpec(name=spec["name"], **({"arch": "torchvision"} if spec.get("arch") else {"width": spec["width"]}))
-    opts = TrainBPParams(model=model,
+    opts = TrainBPParams(model=workload_model(spec["name"], args),
                          budget=f"{budget}B" if budget else None,
                          max_batch=args.max_batch, epochs=args.epochs, lr=0.05, lr_scaling="sqrt",
                          lr_reference_batch=REFERENCE_BATCH, evals_per_epoch=4, seed=seed, device="cpu",

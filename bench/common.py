@@ -28,6 +28,7 @@ import psutil
 import torch
 
 from edgeflux.colours import METHOD_COLOURS  # noqa: F401  (the benchmarks' figures: one colour per method)
+from edgeflux.models.spec import ModelSpec
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -266,6 +267,20 @@ def parse_workload(parser: argparse.ArgumentParser, argv=None) -> argparse.Names
             if getattr(args, key) == parser.get_default(key):
                 setattr(args, key, value)
     return args
+
+
+def workload_model(name: str, args: argparse.Namespace) -> ModelSpec:
+    """The model a benchmark trains on its workload: torchvision's architecture on the realistic one (photos), the
+    zoo's at --width on the default one (32-px grey images)."""
+    return ModelSpec(name=name, arch="torchvision") if args.workload == "realistic" else ModelSpec(name=name,
+                                                                                                 width=args.width)
+
+
+def model_args(name: str, args: argparse.Namespace, image_size: int, num_classes: int) -> dict:
+    """build_model's arguments for ``name`` on the workload (the seed aside)."""
+    in_channels = 3 if args.workload == "realistic" else 1
+    return {k: v for k, v in workload_model(name, args).build_args(num_classes, in_channels, image_size, None).items()
+            if k != "seed"}
 
 
 def result_name(name: str, args: argparse.Namespace) -> str:

@@ -45,8 +45,8 @@ from scipy.stats import spearmanr
 
 from bench import realistic
 from bench.common import (TARGET_COLUMNS, BenchResult, HelpFormatter, add_seeds, add_workload, bench_argparser,
-                          over_seeds, parse_workload, pm, result_name, seeds_of, target)
-from bench.mobiletl import load_data, model_key, pretrain
+                          over_seeds, parse_workload, pm, result_name, seeds_of, target, workload_model)
+from bench.mobiletl import load_data, pretrain
 from edgeflux.colours import method_colour
 from edgeflux.elastic import (ElasticBudgetError, ElasticOptions, classifier_names, profile_tensors, random_selections,
                               validate_time_model)
@@ -211,7 +211,7 @@ def seed_runs(name: str, seed: int, args, data, splits) -> tuple[list[dict], dic
     source, target = splits
     args.width = MODELS[name]
     pretrained, _ = pretrain(name, args, len(data.classes), source, seed)
-    key = model_key(name, args)
+    key = workload_model(name, args).key
     check = validate(pretrained, args, target, seed)
     log.info("%s, seed %d: time model error %.1f%% mean over %d selections", key, seed, 100 * check["timing_error"],
              args.selections)

@@ -49,7 +49,8 @@ from torchvision.models import mobilenetv2, mobilenetv3
 
 from bench import realistic
 from bench.common import (TARGET_COLUMNS, BenchResult, HelpFormatter, add_seeds, add_workload, bench_argparser,
-                          over_seeds, parse_workload, pm, result_name, seeds_of, target)
+                          model_args, over_seeds, parse_workload, pm, result_name, seeds_of, target,
+                          workload_model)
 from edgeflux.backprop import train_under_budget
 from edgeflux.bittrain import BitTrainOptions
 from edgeflux.data import load_raw, prepare, tensors
@@ -287,13 +288,7 @@ def load_data(args):
 
 def model_spec(name: str, args) -> dict:
     """build_model's arguments for a model of the workload (classes and seed aside)."""
-    if args.workload == "realistic":
-        return dict(name=name, in_channels=3, image_size=args.image_size, arch="torchvision")
-    return dict(name=name, in_channels=1, width=args.width, image_size=args.image_size)
-
-
-def model_key(name: str, args) -> str:
-    return f"tv-{name}" if args.workload == "realistic" else f"{name}-w{args.width:g}"
+    return {k: v for k, v in model_args(name, args, args.image_size, 0).items() if k != "num_classes"}
 
 
 def pretrain(name: str, args, num_classes: int, source: dict, seed: int) -> tuple[nn.Module, dict]:
@@ -617,7 +612,7 @@ def model_rows(name: str, seed: int, args, data, splits: tuple[dict, dict], extr
     progress.update(task, description=f"pretrain {name}, seed {seed}")
     pretrained, info = pretrain(name, args, len(data.classes), source, seed)
     extra["pretrain"].append(info)
-    key = model_key(name, args)
+    key = workload_model(name, args).key
     rows, details = transfer_rows(key, pretrained, args, target, progress, task, seed)
     extra["details"] += details
     ft_all = next((r for r in rows if r["method"] == "ft_all"), None)

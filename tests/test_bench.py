@@ -590,7 +590,7 @@ def test_mobiletl_and_elastic_realistic_workload_fine_tune_torchvision_models_on
     folder split by classes (the source classes pre-train, the others fine-tune), torchvision's MobileNetV2 at
     3x128x128, and results beside the 32 px ones, not over them."""
     from bench import elastic, mobiletl, realistic
-    from bench.common import result_name
+    from bench.common import result_name, workload_model
     from edgeflux.models import build_model, count_params
     import torchvision
     args = mobiletl.parse_args(["--workload", "realistic", "--epochs", "5"])
@@ -599,7 +599,7 @@ def test_mobiletl_and_elastic_realistic_workload_fine_tune_torchvision_models_on
     plain = mobiletl.parse_args([])
     assert (plain.image_size, plain.skip_budget, plain.pretrain_epochs) == (32, False, 2)
     assert (result_name("mobiletl", args), result_name("mobiletl", plain)) == ("mobiletl_realistic", "mobiletl")
-    assert (mobiletl.model_key("mobilenet_v2", args), mobiletl.model_key("mobilenet_v2", plain)) == (
+    assert (workload_model("mobilenet_v2", args).key, workload_model("mobilenet_v2", plain).key) == (
         "tv-mobilenet_v2", "mobilenet_v2-w0.5")
     e_args, e_plain = elastic.parse_args(["--workload", "realistic"]), elastic.parse_args([])
     assert (e_args.models, e_args.adam_models, e_args.image_size) == (["resnet18"], [], realistic.PHOTO_PX)
