@@ -13,7 +13,10 @@ weights and data order:
   activations), its time including profiling;
 * method: auto as train_bp runs it: edgeflux.plan measures and times every backprop method above on the seed's
   model (train_bp's plan also has BitTrain's variants, left out here as they are above), and the fastest trains
-  from the batch the plan measured; its time includes the plan's seconds.
+  from the batch the plan measured; its time includes the plan's seconds;
+* method: auto with its plan stored, as a second run on the device finds it (edgeflux.plan.cache: the rows of the
+  same model, data shape, options and machine are reused): the plan is measured once per model and budget before
+  its first seed (those seconds are reported, not counted), each seed reads it (counted) and trains what it chose.
 
 Time to target is wall seconds of training from the start, the batch search (backprop's measured steps), the plan
 (auto) or profiling (NeuroFlux) included, evaluation excluded, to the first evaluation (4 per epoch; NeuroFlux: 2
@@ -36,10 +39,12 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import shutil
 import time
 from collections import Counter
 from collections.abc import Iterator
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -54,7 +59,7 @@ from edgeflux.config import NeuroFluxParams, TrainBPParams
 from edgeflux.data import load_raw, prepare, tensors
 from edgeflux.memory import BudgetTooSmallError, format_bytes, measure_training_peak
 from edgeflux.models import build_model
-from edgeflux.plan import NoFeasibleMethodError, fastest, plan_training
+from edgeflux.plan import NoFeasibleMethodError, PlanCache, fastest, plan_key, plan_training
 from edgeflux.train import TrainRun, optimizer_factory
 from edgeflux.tricks import TrickOptions
 from edgeflux.tricks.options import backprop_options
@@ -72,11 +77,13 @@ REALISTIC = dict(models=["mobilenet_v2"], fractions=[0.25], target_acc=0.75, epo
 METHODS = {"backprop": "backprop", "backprop-accumulate": "accumulation", "backprop-checkpoint": "checkpointing",
            "backprop-fused_step": "step in backward",
            "backprop-checkpoint-fused_step": "checkpointing + step in backward", "neuroflux": "NeuroFlux",
-           "auto": "method: auto"}
+           "auto": "method: auto", "auto_stored": "method: auto, plan stored"}
 BACKPROP_METHODS = tuple(m for m in METHODS if m.startswith("backprop"))
+AUTOS = ("auto", "auto_stored")   # the rows method: auto ran: they choose among BACKPROP_METHODS
 REFERENCE_BATCH = 32
 # flags that choose which runs a benchmark makes, not how a run is made: a finished run is resumed across them
 PER_RUN = ("out", "models", "fractions", "methods", "seeds", "combine", "fresh", "run")
+PLANS = f"{NAME}_plans"   # under --out: the stored plans of method: auto, plan stored (removed by a fresh start)
 EVAL_BATCH = 500   # evaluation is not timed: at the training batch it would take longer than the training
 log = logging.getLogger("bench.budget")
 
@@ -181,19 +188,30 @@ def run_backprop(method: str, spec: dict, splits: dict, budget: int, seed: int, 
             "samples_per_s": out.train.steps * out.batch_size / max(out.train.train_time_s, 1e-9)}
 
 
-def run_auto(spec: dict, splits: dict, budget: int, seed: int, args) -> dict:
+def run_auto(spec: dict, splits: dict, budget: int, seed: int, args, stored: bool = False) -> dict:
     """One seed of method: auto as train_bp runs it: the plan over every backprop method (edgeflux.plan), then
-    the fastest from the batch the plan measured; the plan's seconds count in its time to target."""
-    started = time.perf_counter()
+    the fastest from the batch the plan measured; the plan's seconds count in its time to target. ``stored``: the
+    plan is read from --out's budget_plans (PlanCache), measured there first (uncounted) where it is not."""
     opts = bp_options("backprop", spec, budget, seed, args)
-    plan = plan_training(build_model(**spec, seed=seed), splits["train"], opts, candidates=BACKPROP_METHODS)
+    model = build_model(**spec, seed=seed)
+    primed = {}
+    if stored:
+        key = plan_key(model, splits["train"], opts, "cpu")
+        if not all(PlanCache(key, args.out / PLANS).get(m) for m in BACKPROP_METHODS):
+            started = time.perf_counter()
+            plan_training(model, splits["train"], opts, candidates=BACKPROP_METHODS,
+                          cache=PlanCache(key, args.out / PLANS, fresh=True))
+            primed = {"prime_s": time.perf_counter() - started}
+    started = time.perf_counter()   # the stored plan's reading counts
+    cache = PlanCache(key, args.out / PLANS) if stored else None
+    plan = plan_training(model, splits["train"], opts, candidates=BACKPROP_METHODS, cache=cache)
     try:
         chosen = fastest(plan)
     except NoFeasibleMethodError:
         return {"feasible": False, "min_feasible_bytes": min(r.min_budget_bytes for r in plan if r.min_budget_bytes)}
     plan_s = time.perf_counter() - started
     r = run_backprop(chosen.method, spec, splits, budget, seed, args, hint=chosen.batch, offset=plan_s)
-    return {**r, "chose": chosen.method, "plan_s": plan_s,
+    return {**r, "chose": chosen.method, "plan_s": plan_s, **primed,
             "plan": [{"method": p.method, "batch": p.batch, "samples_per_s": p.samples_per_s} for p in plan]}
 
 
@@ -219,7 +237,7 @@ def summary(model: str, method: str, budget: int, frac: float, runs: list[dict])
     row = {"model": model, "budget_bytes": budget, "budget_frac": frac, "method": method,
            "label": METHODS[method], "n_seeds": len(runs), "seeds": [r["seed"] for r in runs],
            "feasible": runs[0]["feasible"], "auto": False}
-    if method == "auto" and row["feasible"]:
+    if method in AUTOS and row["feasible"]:
         row.update(chose=[r["chose"] for r in runs], plan_s=mean_ci([r["plan_s"] for r in runs])["mean"],
                    plans=[r["plan"] for r in runs])
     if not row["feasible"]:
@@ -252,7 +270,8 @@ def budget_rows(name: str, splits: dict, args, done: RunLog) -> Iterator[list[di
         budget = int(frac * reference)
         print(f"{model}: budget {format_bytes(budget)} ({frac:g} x backprop's batch-{REFERENCE_BATCH} peak "
               f"{format_bytes(reference)})", flush=True)
-        run, rows = {"neuroflux": run_neuroflux, "auto": run_auto}, []
+        run, rows = {"neuroflux": run_neuroflux, "auto": run_auto,
+                     "auto_stored": partial(run_auto, stored=True)}, []
         for method in args.methods:
             runs = []
             for seed in args.seeds:
@@ -315,7 +334,7 @@ def verdicts(rows: list[dict]) -> list[dict]:
                             (r for r in group if r["method"] == "auto"), None)),
                         **_auto_ratio(None, None, ""), **_auto_ratio(None, None, "_backprop")})
             continue
-        best = _fastest([r for r in group if r["method"] != "auto"])
+        best = _fastest([r for r in group if r["method"] not in AUTOS])
         best_full = _fastest([r for r in group if r["method"] in BACKPROP_METHODS])
         nf = next((r for r in group if r["method"] == "neuroflux"), None)
         ran = next((r for r in group if r["method"] == "auto"), None)
@@ -330,8 +349,18 @@ def verdicts(rows: list[dict]) -> list[dict]:
                  "auto_is_fastest_backprop": (chosen is best_full) if chosen and best_full else None}
         for suffix, other in (("", best), ("_backprop", best_full)):
             entry.update(_auto_ratio(auto, other, suffix))
+        entry.update(_stored(next((r for r in group if r["method"] == "auto_stored"), None), best))
         out.append(entry)
     return out
+
+
+def _stored(row: dict | None, best: dict | None) -> dict:
+    """The verdict's fields of method: auto with its plan stored: its choice, time and ratio to the fastest."""
+    if row is None:
+        return {}
+    ratio = _auto_ratio(row if row["feasible"] else None, best, "")
+    return {"auto_stored": _choice(row), "auto_stored_s": row.get("time_to_target_s"),
+            **{k.replace("auto_", "auto_stored_"): v for k, v in ratio.items()}}
 
 
 def _choice(auto: dict | None) -> str:
@@ -427,15 +456,17 @@ def write(rows: list[dict], args, notes: str, measured_by: dict | None = None) -
         result.add(**r)
     judged = verdicts(rows)
     result.add_section("Per budget: the fastest to the target, NeuroFlux, and what method: auto chose", [
-        {**v, "auto_ratio_ci": _interval(v["auto_ratio_ci"]), "auto_ratio_backprop_ci": _interval(
-            v["auto_ratio_backprop_ci"])} for v in judged],
+        {**v, **{k: _interval(v.get(k)) for k in ("auto_ratio_ci", "auto_ratio_backprop_ci", "auto_stored_ratio_ci")}}
+        for v in judged],
         {"model": "model", "budget_frac": "budget (x batch-32 peak)", "fastest": "fastest", "fastest_s": "its s",
          "neuroflux_s": "NeuroFlux s", "auto": "auto chose", "auto_s": "auto s", "plan_s": "its plan s",
          "auto_ratio": "auto / fastest", "auto_ratio_ci": "95% CI",
          "auto_within_10pct": "within 10%", "fastest_backprop": "fastest backprop method",
          "auto_is_fastest_backprop": "auto chose it",
          "auto_ratio_backprop": "auto / it", "auto_ratio_backprop_ci": "95% CI ",
-         "auto_within_10pct_backprop": "within 10% "})
+         "auto_within_10pct_backprop": "within 10% ", "auto_stored": "auto, plan stored, chose",
+         "auto_stored_s": "its s ", "auto_stored_ratio": "it / fastest", "auto_stored_ratio_ci": "95% CI  ",
+         "auto_stored_within_10pct": "within 10%  "})
     md = [{"model": r["model"], "budget": f"{format_bytes(r['budget_bytes'])} ({r['budget_frac']:g})",
            "method": r["label"] + (" (auto)" if r["auto"] else ""),
            **({"target": f"{r['target_acc']:.0%}"} if len({r["target_acc"] for r in rows}) > 1 else {}),
@@ -482,6 +513,8 @@ def main(argv=None) -> None:
     if finished.done:
         print(f"resuming: {len(finished.done)} finished runs from {finished.path} (--fresh: run them again)",
               flush=True)
+    else:   # the plans a stopped run stored are its own: a new run measures its own
+        shutil.rmtree(args.out / PLANS, ignore_errors=True)
     for name in args.models:
         for budget in budget_rows(name, splits, args, finished):   # written after every budget: a stopped run keeps them
             rows += budget

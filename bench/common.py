@@ -27,20 +27,11 @@ from typing import Any
 import psutil
 import torch
 
+from edgeflux.machine import cpu_model
 from edgeflux.colours import METHOD_COLOURS  # noqa: F401  (the benchmarks' figures: one colour per method)
 from edgeflux.models.spec import ModelSpec
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith(("model name", "hardware", "cpu model")):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _nvidia_driver() -> str | None:
@@ -69,7 +60,7 @@ def machine_info() -> dict[str, Any]:
     return {
         "hostname": socket.gethostname(),
         "platform": platform.platform(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores_logical": os.cpu_count(),
         "cores_physical": psutil.cpu_count(logical=False),
         "memory_bytes": psutil.virtual_memory().total,

@@ -19,7 +19,7 @@ METHOD_COLOURS = {
     "checkpointing": "#d62728", "backprop + checkpointing": "#d62728",
     "step in backward": "#9467bd", "backprop + step in backward": "#9467bd",
     "checkpointing + step in backward": "#8c564b", "backprop + checkpointing + step in backward": "#8c564b",
-    "method: auto": "#7f7f7f",
+    "method: auto": "#7f7f7f", "method: auto, plan stored": "#c7c7c7",
     "NeuroFlux": "#1f77b4", "NeuroFlux, full model": "#1f77b4", "NeuroFlux, exit": "#6baed6",
     "classic LL": "#2ca02c",
     # fine-tuning

@@ -96,11 +96,14 @@ def main(args, params) -> None:
 
 
 def planned(model, train, p, device, run) -> tuple[str, int]:
-    """The plan's fastest feasible way to train every parameter (edgeflux.plan), its table logged, and the batch
-    the plan measured for it."""
-    from edgeflux.plan import FINETUNE_FULL, auto_method, plan_finetune   # (its imports: only when planning)
+    """The plan's fastest feasible way to train every parameter (edgeflux.plan; the rows a stored plan of this
+    model, data shape, options and machine holds are reused), its table logged, and the batch the plan measured
+    for it."""
+    from edgeflux.plan import FINETUNE_FULL, PlanCache, auto_method, plan_finetune, plan_key   # (only when planning)
 
-    chosen = auto_method(plan_finetune(model, train, p, candidates=FINETUNE_FULL, device=device), p.budget, run)
+    cache = PlanCache(plan_key(model, train, p, device))
+    rows = plan_finetune(model, train, p, candidates=FINETUNE_FULL, device=device, cache=cache)
+    chosen = auto_method(rows, p.budget, run, cache)
     return chosen.method, chosen.batch
 
 

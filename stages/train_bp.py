@@ -58,13 +58,15 @@ def main(args, params) -> None:
 
 
 def choose_method(model, train, p, device, run) -> tuple[str, int | None]:
-    """train_bp.method, or with auto the plan's fastest feasible backprop (edgeflux.plan), its table logged; and
-    the batch the plan measured for it (None without a plan)."""
+    """train_bp.method, or with auto the plan's fastest feasible backprop (edgeflux.plan; the rows a stored plan
+    of this model, data shape, options and machine holds are reused), its table logged; and the batch the plan
+    measured for it (None without a plan)."""
     if p.method != AUTO:
         return p.method, None
-    from edgeflux.plan import auto_method, plan_training   # (its imports: only when planning)
+    from edgeflux.plan import PlanCache, auto_method, plan_key, plan_training   # (only when planning)
 
-    chosen = auto_method(plan_training(model, train, p, device=device), p.budget, run)
+    cache = PlanCache(plan_key(model, train, p, device))
+    chosen = auto_method(plan_training(model, train, p, device=device, cache=cache), p.budget, run, cache)
     return chosen.method, chosen.batch
 
 

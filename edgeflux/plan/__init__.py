@@ -6,7 +6,8 @@
     best = fastest(rows)                              # what method: auto trains with
 
 core.py: a candidate measured and timed, a row, the choice; finetune.py and neuroflux.py: their candidates (each
-stage imports only the part it runs).
+stage imports only the part it runs); cache.py: the rows kept for the next run with the same model, data shape,
+options and machine (method: auto reuses them; `edgeflux plan` measures afresh and stores).
 
 For each candidate the batch is chosen as its run chooses it (``edgeflux.backprop.fit_model_batch``: the largest
 whose measured step fits, or BudgetTooSmallError with the smallest feasible budget), then the step its run
@@ -27,7 +28,8 @@ from edgeflux.lazy import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "core": ["BACKPROP_CANDIDATES", "FINETUNE_CANDIDATES", "FINETUNE_FULL", "NoFeasibleMethodError", "PlanRow",
-             "STEPS", "auto_method", "fastest", "plan_one", "plan_training", "time_step"],
+             "STEPS", "auto_method", "fastest", "plan_one", "plan_training", "planned", "time_step"],
+    "cache": ["PlanCache", "plan_key"],
     "finetune": ["plan_finetune"],
     "neuroflux": ["plan_neuroflux"],
 })

@@ -8,7 +8,9 @@ import logging
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from functools import partial
 
 import torch
 from torch import nn
@@ -120,24 +122,36 @@ def plan_one(spec: str, label: str, model: nn.Module, train: tuple, opts, run: T
                    trainable, _trades(spec), full)
 
 
+def planned(spec: str, cache, measure: Callable[[], PlanRow], samples: int) -> PlanRow:
+    """``spec``'s row as stored in ``cache`` (edgeflux.plan.cache.PlanCache; None: none), its epoch time for
+    ``samples`` training samples, else measure()d and stored there."""
+    row = cache.get(spec) if cache is not None else None
+    if row is not None:
+        return replace(row, epoch_s=samples / row.samples_per_s if row.samples_per_s else None)
+    row = measure()
+    if cache is not None:
+        cache.put(row)
+    return row
+
+
 def plan_training(model: nn.Module, train: tuple, opts, candidates=None, steps: int = STEPS,
-                  device: str | torch.device = "cpu") -> list[PlanRow]:
-    """Every from-scratch candidate (default: BACKPROP_CANDIDATES) for ``model`` under opts' budget."""
-    rows = []
-    for spec in candidates or BACKPROP_CANDIDATES:
+                  device: str | torch.device = "cpu", cache=None) -> list[PlanRow]:
+    """Every from-scratch candidate (default: BACKPROP_CANDIDATES) for ``model`` under opts' budget; a row
+    ``cache`` (PlanCache) holds is taken from it."""
+    def measure(spec: str) -> PlanRow:
         o = backprop_options(spec, opts)
         run = TrainRun(device, context=o.bittrain.context, tricks=o.tricks)
-        rows.append(plan_one(spec, backprop_label(spec), model, train, o, run, steps))
-    return rows
+        return plan_one(spec, backprop_label(spec), model, train, o, run, steps)
+    return [planned(spec, cache, partial(measure, spec), len(train[1])) for spec in candidates or BACKPROP_CANDIDATES]
 
 
 def fastest(rows: list[PlanRow]) -> PlanRow:
     """The feasible candidate that trains every parameter fastest (what method: auto runs). A few timed steps
-    cannot tell apart candidates within NOISE of the fastest samples/s; of those, the one with the largest update
-    (samples_per_update: accumulation's effective batch), then the fewest modifiers (each trades something). The
-    update comes first because equal samples/s is not equal time to accuracy: where the budget squeezes the batch
-    below the configured one, an update on the configured batch (accumulating back to it) is the optimisation the
-    params describe; bench/results/budget.md measures what that choice gains and costs per model."""
+    cannot tell apart candidates within NOISE of the fastest samples/s; of those, the one with the fewest modifiers
+    (each trades something: recomputation, BatchNorm on micro-batches, no full gradient), then the faster. Not
+    the larger update: at equal samples/s the time to a target accuracy did not follow the update's size
+    (bench/results/budget.md: accumulation to the reference batch beside plain backprop at the micro-batch
+    that fits)."""
     feasible = [r for r in rows if r.feasible and r.full and math.isfinite(r.samples_per_s or float("nan"))]
     if not feasible:
         smallest = min((r.min_budget_bytes for r in rows if r.full and r.min_budget_bytes), default=None)
@@ -149,15 +163,15 @@ def fastest(rows: list[PlanRow]) -> PlanRow:
             if smallest else f"; {other}"))
     top = max(r.samples_per_s for r in feasible)
     near = [r for r in feasible if r.samples_per_s >= (1 - NOISE) * top]
-    return min(near, key=lambda r: (-(r.samples_per_update or 0), r.method.count("-"), -r.samples_per_s))
+    return min(near, key=lambda r: (r.method.count("-"), -r.samples_per_s))
 
 
-def auto_method(rows: list[PlanRow], budget_bytes: int, run) -> PlanRow:
+def auto_method(rows: list[PlanRow], budget_bytes: int, run, cache=None) -> PlanRow:
     """What ``method: auto`` trains with: the fastest feasible row (its method, and its batch, which the run takes
     as TrainRun.batch_hint rather than searching again); the whole plan is logged to the stage's MLflow run
-    (``run``: edgeflux.tracking's) as plan.json."""
+    (``run``: edgeflux.tracking's) as plan.json, with the stored plan (``cache``: PlanCache) it came from."""
     chosen = fastest(rows)
-    run.log_dict({"budget_bytes": budget_bytes, "auto": chosen.method, "rows": [r.to_dict() for r in rows]},
+    stored = {"stored": str(cache.path), "reused": sorted(cache.reused)} if cache is not None else {}
+    run.log_dict({"budget_bytes": budget_bytes, "auto": chosen.method, **stored, "rows": [r.to_dict() for r in rows]},
                  "plan.json")
     return chosen
-

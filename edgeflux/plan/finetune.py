@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import torch
 from torch import nn
@@ -10,20 +11,20 @@ from edgeflux.finetune.methods import calibration_batches, method_options, prepa
 from edgeflux.finetune.options import FinetuneOptions, finetune_label
 from edgeflux.train import TrainRun
 
-from .core import FINETUNE_CANDIDATES, STEPS, PlanRow, plan_one
+from .core import FINETUNE_CANDIDATES, STEPS, PlanRow, plan_one, planned
 
 
 def plan_finetune(model: nn.Module, train: tuple, opts: FinetuneOptions, candidates=None,
-                  steps: int = STEPS, device: str | torch.device = "cpu") -> list[PlanRow]:
+                  steps: int = STEPS, device: str | torch.device = "cpu", cache=None) -> list[PlanRow]:
     """Every fine-tuning candidate (default: FINETUNE_CANDIDATES) for a pretrained ``model`` under opts' budget,
-    each prepared as edgeflux.finetune.finetune prepares it (lean layers included)."""
-    rows = []
-    for spec in candidates or FINETUNE_CANDIDATES:
+    each prepared as edgeflux.finetune.finetune prepares it (lean layers included); a row ``cache`` (PlanCache)
+    holds is taken from it, unprepared."""
+    def measure(spec: str) -> PlanRow:
         method, o = method_options(spec, opts)
         prepared = prepare(method, copy.deepcopy(model), o, calibration_batches(train[0], o.calibration_batches),
                            device)
         run = TrainRun(device, context=o.bittrain.context, tricks=o.tricks, make_before_step=prepared.make_before_step)
-        rows.append(plan_one(spec, finetune_label(spec), prepared.model, train, o, run, steps))
-    return rows
+        return plan_one(spec, finetune_label(spec), prepared.model, train, o, run, steps)
+    return [planned(spec, cache, partial(measure, spec), len(train[1])) for spec in candidates or FINETUNE_CANDIDATES]
 
 

@@ -69,7 +69,7 @@ def plan_rows(params, stage: str, steps: int | None) -> list:
     from edgeflux.artifacts import load_model
     from edgeflux.data import load_prepared, tensors
     from edgeflux.models import build_model
-    from edgeflux.plan import STEPS, plan_finetune, plan_neuroflux, plan_training
+    from edgeflux.plan import STEPS, PlanCache, plan_finetune, plan_key, plan_neuroflux, plan_training
     from edgeflux.train import resolve_device
 
     steps = STEPS if steps is None else steps
@@ -79,8 +79,9 @@ def plan_rows(params, stage: str, steps: int | None) -> list:
         train = tensors(data, "target_train", limit=p.max_train_samples)
         spec = p.model.build_args(len(data.classes), train[0].shape[1], train[0].shape[-1], p.seed)
         device = resolve_device(p.device)
-        rows = plan_training(build_model(**spec, pretrained_path=p.model.weights_path()), train, p, steps=steps,
-                             device=device)
+        model = build_model(**spec, pretrained_path=p.model.weights_path())
+        rows = plan_training(model, train, p, steps=steps, device=device,
+                             cache=PlanCache(plan_key(model, train, p, device), fresh=True))
         nf = params.neuroflux.model_copy(update={"budget": p.budget, "max_batch": p.max_batch})
         return rows + [plan_neuroflux(spec, train, nf, steps=steps, device=device)]
     p = params.finetune
@@ -88,8 +89,9 @@ def plan_rows(params, stage: str, steps: int | None) -> list:
     if not source.exists():
         raise UsageError(f"{source}: no pretrained model to plan fine-tuning on; run `edgeflux run pretrain` first")
     model, _ = load_model(source)
-    return plan_finetune(model, tensors(data, "target_train", limit=p.max_train_samples), p, steps=steps,
-                         device=resolve_device(p.device))
+    train, device = tensors(data, "target_train", limit=p.max_train_samples), resolve_device(p.device)
+    return plan_finetune(model, train, p, steps=steps, device=device,
+                         cache=PlanCache(plan_key(model, train, p, device), fresh=True))
 
 
 def curve_of(stage: str, method: str) -> Path | None:
