@@ -23,6 +23,8 @@ epochs the stage's last run took to reach that validation accuracy (its curve, p
 method's own) times the row's epoch time: an estimate, labelled so, since another batch or method may need
 more or fewer epochs than the run that made the curve. `method: auto` in
 train_bp (or `auto` in finetune.methods) trains with the marked row: the fastest that trains every parameter.
+The rows are stored in .edgeflux/plans; `auto` reuses them (same model, sample shape, options and machine)
+instead of planning again, so running this command re-times the plan the next run trains by.
 """
 STAGES = ("train_bp", "finetune")
 
