@@ -349,18 +349,21 @@ def verdicts(rows: list[dict]) -> list[dict]:
                  "auto_is_fastest_backprop": (chosen is best_full) if chosen and best_full else None}
         for suffix, other in (("", best), ("_backprop", best_full)):
             entry.update(_auto_ratio(auto, other, suffix))
-        entry.update(_stored(next((r for r in group if r["method"] == "auto_stored"), None), best, best_full))
+        entry.update(_stored(next((r for r in group if r["method"] == "auto_stored"), None), best, best_full, group))
         out.append(entry)
     return out
 
 
-def _stored(row: dict | None, best: dict | None, best_full: dict | None) -> dict:
+def _stored(row: dict | None, best: dict | None, best_full: dict | None, group: list[dict]) -> dict:
     """The verdict's fields of method: auto with its plan stored: its choice, time and ratios to the fastest
-    method and to the fastest backprop method."""
+    method, to the fastest backprop method and to the method it chose (the same training, seed by seed: what
+    the machine's speed alone varies between two runs of one step)."""
     if row is None:
         return {}
     ran = row if row["feasible"] else None
-    ratios = {**_auto_ratio(ran, best, ""), **_auto_ratio(ran, best_full, "_backprop")}
+    chosen = next((r for r in group if ran and r["method"] == _majority(ran["chose"])), None)
+    ratios = {**_auto_ratio(ran, best, ""), **_auto_ratio(ran, best_full, "_backprop"),
+              **_auto_ratio(ran, chosen, "_chosen")}
     return {"auto_stored": _choice(row), "auto_stored_s": row.get("time_to_target_s"),
             **{k.replace("auto_", "auto_stored_"): v for k, v in ratios.items()}}
 
@@ -458,7 +461,8 @@ def write(rows: list[dict], args, notes: str, measured_by: dict | None = None) -
         result.add(**r)
     judged = verdicts(rows)
     shown = [{**v, **{k: _interval(v.get(k)) for k in ("auto_ratio_ci", "auto_ratio_backprop_ci",
-                                                      "auto_stored_ratio_ci", "auto_stored_ratio_backprop_ci")}}
+                                                      "auto_stored_ratio_ci", "auto_stored_ratio_backprop_ci",
+                                                      "auto_stored_ratio_chosen_ci")}}
              for v in judged]
     result.add_section("Per budget: the fastest to the target, NeuroFlux, and what method: auto chose", shown,
         {"model": "model", "budget_frac": "budget (x batch-32 peak)", "fastest": "fastest", "fastest_s": "its s",
@@ -477,7 +481,9 @@ def write(rows: list[dict], args, notes: str, measured_by: dict | None = None) -
                             "auto_stored_ratio": "auto / fastest", "auto_stored_ratio_ci": "95% CI",
                             "auto_stored_within_10pct": "within 10%", "auto_stored_ratio_backprop": "auto / backprop's",
                             "auto_stored_ratio_backprop_ci": "95% CI ",
-                            "auto_stored_within_10pct_backprop": "within 10% "})
+                            "auto_stored_within_10pct_backprop": "within 10% ",
+                            "auto_stored_ratio_chosen": "auto / the method it chose (same runs)",
+                            "auto_stored_ratio_chosen_ci": "95% CI  "})
     md = [{"model": r["model"], "budget": f"{format_bytes(r['budget_bytes'])} ({r['budget_frac']:g})",
            "method": r["label"] + (" (auto)" if r["auto"] else ""),
            **({"target": f"{r['target_acc']:.0%}"} if len({r["target_acc"] for r in rows}) > 1 else {}),

@@ -656,6 +656,7 @@ def test_budget_verdicts_pair_auto_with_the_fastest_by_seed():
     assert v["auto_stored"] == "backprop" and v["auto_stored_within_10pct"] is True
     assert v["auto_stored_ratio"] == pytest.approx((9 / 10 + 10 / 11 + 11 / 12) / 3)
     assert v["auto_stored_ratio_backprop"] == v["auto_stored_ratio"] and v["auto_stored_within_10pct_backprop"]
+    assert v["auto_stored_ratio_chosen"] == v["auto_stored_ratio"]     # it chose a, the fastest
     assert v["auto_ratio"] == pytest.approx((21 / 10 + 23 / 11 + 25 / 12) / 3) and v["auto_within_10pct"] is False
     [v] = verdicts([row(a, [10.0, 11.0, 12.0], auto=True), row(b, [20.0, 22.0, 24.0]),
                     row("auto", [10.1, 11.1, 12.1], chose=[a, a, b])])
