@@ -95,7 +95,7 @@ def main(argv=None) -> None:
     parser = bench_argparser(__doc__)
     parser.add_argument("--project", action="append", default=[], metavar="NAME=DIR",
                         help="a workload's project directory (repeatable); default: default=. (this repository)")
-    parser.add_argument("--steps", type=int, default=None, help="the plan's timed steps per candidate (default: "
+    parser.add_argument("--steps", type=int, default=None, help="the plan's timed steps per candidate and round (default: "
                                                                  "edgeflux.plan.STEPS)")
     args = parser.parse_args(argv)
     if args.threads:
@@ -121,7 +121,8 @@ def main(argv=None) -> None:
     result.write(NAME, args.out, title="edgeflux plan: predicted samples/s against the run's",
                  notes=f"{within} of {len(rows)} predictions within 15% of the run. The run: one epoch of the stage's "
                        "training set at the batch its own measurement chose (the plan's, unless noted), timed by the "
-                       "training loop without evaluations; the plan: the median of a few steps after two warm-up ones.")
+                       "training loop without evaluations; the plan: the median of three rounds, each a few steps (at least 64 "
+                       "samples) after two warm-up ones.")
 
 
 if __name__ == "__main__":

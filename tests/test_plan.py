@@ -75,6 +75,46 @@ def test_a_batch_hint_is_confirmed_in_three_measurements_or_searched_as_without_
     assert fit.min_feasible_bytes == searched.min_feasible_bytes and memory.peak_bytes <= 12_000_000
 
 
+def test_the_candidates_are_timed_in_turn_at_their_median_round(mnist_subset, monkeypatch):
+    """Each candidate is timed once per round, the candidates in turn (the machine's drift falls on all alike), and
+    its row holds its median round: one slow round (a preempted core) does not carry it."""
+    import edgeflux.plan.core as core
+
+    train = tensors(mnist_subset, "target_train", limit=256)
+    timed, rates = [], iter([100.0, 200.0, 10.0, 190.0, 90.0, 20.0])    # rounds of (backprop, step in backward)
+    monkeypatch.setattr(core, "time_step", lambda model, data, opts, batch, run, steps:
+                        timed.append(opts.tricks.fused_step) or next(rates))
+    rows = plan_training(build_model(**MODEL, seed=0), train, section("12MB"),
+                         candidates=("backprop", "backprop-fused_step"))
+    assert core.ROUNDS == 3 and timed == [False, True] * 3
+    assert [r.samples_per_s for r in rows] == [90.0, 190.0] and rows[0].epoch_s == pytest.approx(256 / 90)
+
+
+def test_a_timing_window_is_whole_updates_of_at_least_64_samples_after_the_warm_up(mnist_subset, monkeypatch):
+    """A few small batches last milliseconds, less than the machine's jitter: the window grows to
+    WINDOW_SAMPLES samples, in whole groups (accumulation's micro-batches of one update), after WARMUP groups."""
+    import edgeflux.plan.core as core
+
+    train = tensors(mnist_subset, "target_train", limit=256)
+    model, fit_step, seen = build_model(**MODEL, seed=0), core.fit_step, []
+
+    class Counted:   # the step the plan times, counting the samples of each call
+        def __init__(self, step):
+            self.step, self.accumulation = step, step.accumulation
+
+        def __call__(self, x, y):
+            seen.append(len(y))
+            return self.step(x, y)
+    monkeypatch.setattr(core, "fit_step", lambda *a, **k: Counted(fit_step(*a, **k)))
+    for spec, batch, steps, calls in (("backprop", 5, 1, 2 + 13),      # 13 x 5 = 65 samples: the first >= 64
+                                      ("backprop", 40, 3, 2 + 3),      # 3 steps hold 120 already
+                                      ("backprop-accumulate", 8, 1, 4 * (2 + 2))):   # updates of 4 x 8: two of them
+        o = backprop_options(spec, section("12MB", tricks={"effective_batch": 32}))
+        seen.clear()
+        per_s = core.time_step(model, train, o, batch, TrainRun(tricks=o.tricks), steps)
+        assert seen == [batch] * calls and per_s > 0, spec
+
+
 def _row(method: str, per_s: float | None, feasible: bool = True, full: bool = True, need: int | None = None,
          update: int = 8):
     return PlanRow(method, method, feasible, 8 if feasible else None, update if feasible else None,
@@ -199,7 +239,7 @@ def test_auto_in_the_stages_trains_with_the_plans_choice_and_logs_the_plan(mnist
         planned.append(plan["rows"][-1]["batch"])
     assert [h for h in hints if h is not None] == planned
     # run again, train_bp plans nothing: the stored rows of the same model, data shape, options and machine
-    monkeypatch.setattr("edgeflux.plan.core.plan_one", lambda *a: pytest.fail("measured a stored candidate"))
+    monkeypatch.setattr("edgeflux.plan.core.size_one", lambda *a: pytest.fail("measured a stored candidate"))
     train_bp_stage.main(argparse.Namespace(params="params.yaml"), params)
     run = client.search_runs([client.get_experiment_by_name("edgeflux").experiment_id],
                              "tags.edgeflux.stage = 'train_bp'", order_by=["attributes.start_time DESC"])[0]
@@ -216,8 +256,8 @@ def test_a_stored_plan_is_reused_for_the_same_model_shape_options_and_machine_on
     import edgeflux.plan.core as core
 
     train = tensors(mnist_subset, "target_train", limit=256)
-    measured, plan_one = [], core.plan_one
-    monkeypatch.setattr(core, "plan_one", lambda spec, *a: measured.append(spec) or plan_one(spec, *a))
+    measured, size_one = [], core.size_one
+    monkeypatch.setattr(core, "size_one", lambda spec, *a: measured.append(spec) or size_one(spec, *a))
     specs = ("backprop", "backprop-fused_step")
 
     def plan(p, seed=0, data=train, fresh=False):

@@ -11,9 +11,10 @@ options and machine (method: auto reuses them; `edgeflux plan` measures afresh a
 
 For each candidate the batch is chosen as its run chooses it (``edgeflux.backprop.fit_model_batch``: the largest
 whose measured step fits, or BudgetTooSmallError with the smallest feasible budget), then the step its run
-trains with (``edgeflux.train.fit_step``, on a copy) is timed over a few batches of the training data after two
-warm-up ones: samples per second at the median step, and from it the seconds an epoch of the training set takes
-(training only). What a candidate trades away is said beside it: recomputation, BatchNorm on micro-batches, the
+trains with (``edgeflux.train.fit_step``, on a copy) is timed on the training data: a window of a few batches
+(at least 64 samples) after two warm-up ones, in three rounds that take the candidates in turn, so that the
+machine's own drift falls on all of them alike; samples per second at the median round, and from it the seconds
+an epoch of the training set takes (training only). What a candidate trades away is said beside it: recomputation, BatchNorm on micro-batches, the
 parameters it leaves frozen (an accuracy risk no few-step plan can measure).
 
 ``method: auto`` (train_bp, finetune) trains with the fastest feasible candidate among those that train every
@@ -28,7 +29,7 @@ from edgeflux.lazy import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "core": ["BACKPROP_CANDIDATES", "FINETUNE_CANDIDATES", "FINETUNE_FULL", "NoFeasibleMethodError", "PlanRow",
-             "STEPS", "auto_method", "fastest", "plan_one", "plan_training", "planned", "time_step"],
+             "STEPS", "auto_method", "fastest", "plan_rows", "plan_training", "size_one", "time_step"],
     "cache": ["PlanCache", "plan_key"],
     "finetune": ["plan_finetune"],
     "neuroflux": ["plan_neuroflux"],

@@ -10,7 +10,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from functools import partial
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -72,23 +72,24 @@ def _trades(spec: str) -> str:
     return "; ".join(TRADES[p] for p in parts) or "-"
 
 
-STEPS = 5    # timed groups per candidate (an odd count: the median is one of them)
+ROUNDS = 3   # every candidate is timed once per round, in turn: the machine's slow seconds fall on all of them
+STEPS = 3    # timed groups per candidate and round (more while they hold fewer than WINDOW_SAMPLES samples)
+WINDOW_SAMPLES = 64   # a window of a few small batches lasts milliseconds: shorter than the machine's own jitter
 WARMUP = 2   # groups before timing: the first allocates optimizer state, the second still settles caches
 
 
 def time_step(model: nn.Module, train: tuple, opts: TrainOptions, batch: int, run: TrainRun, steps: int) -> float:
-    """Samples per second of the step fit trains with at ``batch`` (on a copy of ``model``): the median over
-    ``steps`` groups (one step; with accumulation, the micro-batches of one update) of the training data after
-    WARMUP groups (the data's epochs repeated when it holds fewer). The median, not the mean: a few steps' mean is
-    carried by one slow step (a warm-up straggler, a preempted core), while the run's rate over thousands of
-    steps is the steady one."""
+    """Samples per second of the step fit trains with at ``batch`` (on a copy of ``model``) over one window:
+    ``steps`` groups (one step; with accumulation, the micro-batches of one update), and more until the window
+    holds WINDOW_SAMPLES samples, of the training data after WARMUP groups (the data's epochs repeated when it
+    holds fewer). The window's samples over its seconds, as a run's epoch counts them."""
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     x, y = train
     step = fit_step(copy.deepcopy(model).to(run.device).train(), opts, batch, run, len(y))
     hook = run.make_before_step(step, train, batch) if run.make_before_step else None
     group = step.accumulation.every if step.accumulation is not None else 1
-    result, rates, seen, elapsed = TrainResult(), [], 0, 0.0
+    result, seen, elapsed = TrainResult(), 0, 0.0
     epochs = (batches(x, y, batch, shuffle=True, seed=opts.seed + e) for e in itertools.count())
     for i, (xb, yb) in enumerate(b for epoch in epochs for b in epoch):
         if hook is not None:
@@ -97,52 +98,69 @@ def time_step(model: nn.Module, train: tuple, opts: TrainOptions, batch: int, ru
         step(xb.to(run.device), yb.to(run.device))
         if i >= group * WARMUP:
             elapsed, seen = elapsed + time.perf_counter() - start, seen + len(yb)
-        if (i + 1) % group == 0 and seen:
-            rates.append(seen / max(elapsed, 1e-9))
-            seen, elapsed = 0, 0.0
-        if len(rates) == steps:
-            break
-    return statistics.median(rates)
+            if (i + 1) % group == 0 and (i + 1) // group - WARMUP >= steps and seen >= WINDOW_SAMPLES:
+                break
+    return seen / max(elapsed, 1e-9)
 
 
-def plan_one(spec: str, label: str, model: nn.Module, train: tuple, opts, run: TrainRun, steps: int) -> PlanRow:
-    """One candidate: its batch under opts' budget (measured) and its speed (timed)."""
-    trainable = count_params(model, trainable_only=True)
+class Candidate(NamedTuple):
+    """What a candidate trains: its label, model (prepared as its run prepares it), options and run."""
+    label: str
+    model: nn.Module
+    opts: TrainOptions
+    run: TrainRun
+
+
+def size_one(spec: str, c: Candidate, train: tuple) -> PlanRow:
+    """One candidate's row but its speed: its batch under its options' budget (measured as its run measures it)."""
+    trainable = count_params(c.model, trainable_only=True)
     full = spec.split("-")[0] in FULL
     try:
-        batch, _, memory = fit_model_batch(model, train, opts, opts, run)
+        batch, _, memory = fit_model_batch(c.model, train, c.opts, c.opts, c.run)
     except BudgetTooSmallError as e:
-        return PlanRow(spec, label, False, None, None, None, e.min_feasible_bytes, None, None, trainable,
+        return PlanRow(spec, c.label, False, None, None, None, e.min_feasible_bytes, None, None, trainable,
                        _trades(spec), full)
-    per_s = time_step(model, train, opts, batch, run, steps)
-    group = Accumulation.for_epoch(len(train[1]), batch, run.tricks.effective_batch).effective \
-        if run.tricks and run.tricks.accumulate else batch
-    log.info("plan %s: batch %d, %.1f samples/s", spec, batch, per_s)
-    return PlanRow(spec, label, True, batch, group, memory.peak_bytes, None, per_s, len(train[1]) / per_s,
-                   trainable, _trades(spec), full)
+    group = Accumulation.for_epoch(len(train[1]), batch, c.run.tricks.effective_batch).effective \
+        if c.run.tricks and c.run.tricks.accumulate else batch
+    return PlanRow(spec, c.label, True, batch, group, memory.peak_bytes, None, None, None, trainable,
+                   _trades(spec), full)
 
 
-def planned(spec: str, cache, measure: Callable[[], PlanRow], samples: int) -> PlanRow:
-    """``spec``'s row as stored in ``cache`` (edgeflux.plan.cache.PlanCache; None: none), its epoch time for
-    ``samples`` training samples, else measure()d and stored there."""
-    row = cache.get(spec) if cache is not None else None
-    if row is not None:
-        return replace(row, epoch_s=samples / row.samples_per_s if row.samples_per_s else None)
-    row = measure()
-    if cache is not None:
-        cache.put(row)
-    return row
+def plan_rows(specs, make: Callable[[str], Candidate], train: tuple, steps: int, cache=None) -> list[PlanRow]:
+    """The row of every candidate in ``specs`` (make(spec): what it trains): one ``cache`` (PlanCache; None:
+    none) holds is taken from it, its epoch time scaled to the training data; every other is sized, then timed
+    in ROUNDS rounds that take the candidates in turn (one candidate's copy alive at a time), at its median
+    round, and stored in ``cache``. In turn, not one after the other: the machine's speed drifts by more than
+    the candidates differ within seconds, and a ranking must not follow the drift."""
+    samples = len(train[1])
+    rows = {s: cache.get(s) if cache is not None else None for s in specs}
+    rows = {s: replace(r, epoch_s=samples / r.samples_per_s if r.samples_per_s else None) if r else None
+            for s, r in rows.items()}
+    measured = {s: size_one(s, make(s), train) for s, r in rows.items() if r is None}
+    rates = {s: [] for s, r in measured.items() if r.feasible}
+    for _ in range(ROUNDS):
+        for s in rates:
+            c = make(s)
+            rates[s].append(time_step(c.model, train, c.opts, measured[s].batch, c.run, steps))
+    for s, row in measured.items():
+        if s in rates:
+            per_s = statistics.median(rates[s])
+            row = measured[s] = replace(row, samples_per_s=per_s, epoch_s=samples / per_s)
+            log.info("plan %s: batch %d, %.1f samples/s (rounds: %s)", s, row.batch, per_s,
+                     ", ".join(f"{r:.1f}" for r in rates[s]))
+        if cache is not None:
+            cache.put(row)
+    return [rows[s] or measured[s] for s in specs]
 
 
 def plan_training(model: nn.Module, train: tuple, opts, candidates=None, steps: int = STEPS,
                   device: str | torch.device = "cpu", cache=None) -> list[PlanRow]:
     """Every from-scratch candidate (default: BACKPROP_CANDIDATES) for ``model`` under opts' budget; a row
     ``cache`` (PlanCache) holds is taken from it."""
-    def measure(spec: str) -> PlanRow:
+    def make(spec: str) -> Candidate:
         o = backprop_options(spec, opts)
-        run = TrainRun(device, context=o.bittrain.context, tricks=o.tricks)
-        return plan_one(spec, backprop_label(spec), model, train, o, run, steps)
-    return [planned(spec, cache, partial(measure, spec), len(train[1])) for spec in candidates or BACKPROP_CANDIDATES]
+        return Candidate(backprop_label(spec), model, o, TrainRun(device, context=o.bittrain.context, tricks=o.tricks))
+    return plan_rows(candidates or BACKPROP_CANDIDATES, make, train, steps, cache)
 
 
 def fastest(rows: list[PlanRow]) -> PlanRow:

@@ -17,7 +17,7 @@ from edgeflux.neuroflux.partition import partition
 from edgeflux.neuroflux.profile import profile_units
 from edgeflux.train import optimizer_factory
 
-from .core import STEPS, TRADES, WARMUP, PlanRow
+from .core import ROUNDS, STEPS, TRADES, WARMUP, PlanRow
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 def plan_neuroflux(spec: dict, train: tuple, opts, steps: int = STEPS, device: str | torch.device = "cpu") -> PlanRow:
     """NeuroFlux on the model ``spec`` (build_model arguments) with opts' settings (the neuroflux section): the
     profile and partition its stages run (Algorithm 1), then each block's step measured at its batch and timed
-    on its input (the units before it, run forward once); an epoch is every block's pass over the training set."""
+    on its input (the units before it, run forward once) over as many steps as the other candidates' rounds time
+    groups; an epoch is every block's pass over the training set."""
     model, learners = build_learners(spec, aux_args(opts))
     trainable = count_params(nn.ModuleList(learners))
     profiles = profile_units(learners, model.describe(), spec["num_classes"], optimizer_factory(opts),
@@ -39,6 +40,7 @@ def plan_neuroflux(spec: dict, train: tuple, opts, steps: int = STEPS, device: s
         return PlanRow("neuroflux", "NeuroFlux", False, None, None, None, e.min_feasible_bytes, None, None,
                        trainable, TRADES["neuroflux"], False)
     x, y = train
+    steps *= ROUNDS
     n = min(len(y), max(b.batch_size for b in blocks) * max(steps + WARMUP, CONTENT_SAMPLES))
     inputs, y, peak, epoch_s, batches_used = x[:n].to(device), y[:n].to(device), 0, 0.0, []
     make_optimizer = optimizer_factory(opts)

@@ -202,8 +202,9 @@ def add_plan(sub) -> None:
     p.add_argument("--stage", choices=(*STAGES, "all"), default="all", help="which stage's candidates (default: all)")
     p.add_argument("--model", metavar="M", help="the model: train_bp: a zoo name with its width (vgg11-w0.25) or "
                                                 "tv-<torchvision name>; finetune: a key of pretrain.models")
-    p.add_argument("--steps", type=_positive, help="timed steps per candidate (their median), after two warm-up steps "
-                                             "(default: edgeflux.plan.STEPS)")
+    p.add_argument("--steps", type=_positive, help="timed steps per candidate and round (at least 64 samples), after two "
+                                             "warm-up steps; three rounds take the candidates in turn, the median "
+                                             "counts (default: edgeflux.plan.STEPS)")
     p.add_argument("--target-acc", type=_fraction, metavar="A", help="also estimate each row's seconds to validation "
                                                                      "accuracy A (0-1) from the stage's last curve")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
