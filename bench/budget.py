@@ -257,15 +257,20 @@ def summary(model: str, method: str, budget: int, frac: float, runs: list[dict])
             "within_budget": all(r["peak_bytes"] <= budget for r in runs), "curves": [r["curve"] for r in runs]}
 
 
+def reference_peak(spec: dict, splits: dict, args) -> int:
+    """Plain backprop's measured step peak at batch REFERENCE_BATCH: the budgets are fractions of it."""
+    shape = (spec["in_channels"], spec["image_size"], spec["image_size"])
+    return measure_training_peak(build_model(**spec, seed=0), optimizer_factory(bp_options(
+        "backprop", spec, None, 0, args)), shape, 10, REFERENCE_BATCH, data=splits["train"],
+        process_stats=False).peak_bytes
+
+
 def budget_rows(name: str, splits: dict, args, done: RunLog) -> Iterator[list[dict]]:
     """Each budget's rows of one model, one budget at a time; a run ``done`` holds is taken from it, every other
     is logged to it as it finishes."""
     spec = model_spec(name, args)
     model = bp_options("backprop", spec, None, 0, args).model.key
-    shape = (spec["in_channels"], spec["image_size"], spec["image_size"])
-    reference = measure_training_peak(build_model(**spec, seed=0), optimizer_factory(bp_options(
-        "backprop", spec, None, 0, args)), shape, 10, REFERENCE_BATCH, data=splits["train"],
-        process_stats=False).peak_bytes
+    reference = reference_peak(spec, splits, args)
     for frac in args.fractions:
         budget = int(frac * reference)
         print(f"{model}: budget {format_bytes(budget)} ({frac:g} x backprop's batch-{REFERENCE_BATCH} peak "

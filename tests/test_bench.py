@@ -776,3 +776,20 @@ def test_targets_are_judged_by_the_t_interval_of_the_per_seed_values():
     assert rows[0]["acc"] == pytest.approx(0.85) and rows[0]["acc_ci95"] == pytest.approx(12.706 * 0.0707107 / 1.41421,
                                                                                           rel=1e-4)
     assert rows[0]["skip"] == 1.0 and rows[0]["skip_ci95"] is None and rows[0]["seeds"] == [0, 1]
+
+
+def test_plan_precision_alternates_the_versions_and_reports_each_candidates_spread(tmp_path, monkeypatch):
+    """bench.plan_precision: the plans of this revision and of an earlier one (git's) alternate, and each row is
+    the candidate's samples/s over plain backprop's in the same plan, mean and sd over the repeats."""
+    import statistics
+
+    from bench import plan_precision
+    monkeypatch.setattr(plan_precision.budget, "BACKPROP_METHODS", ("backprop", "backprop-fused_step"))
+    plan_precision.main(["--quick", "--threads", "1", "--out", str(tmp_path), "--against", "HEAD"])
+    result = json.loads((tmp_path / "plan_precision.json").read_text())
+    plans = result["plans"]
+    assert [p["version"] for p in plans] == ["this revision", "HEAD"] * 2 and (tmp_path / "plan_precision.png").exists()
+    for row in result["rows"]:
+        ratios = [p["rates"]["backprop-fused_step"] / p["rates"]["backprop"] for p in plans if p["version"] == row["plan"]]
+        assert row["candidate"] == "step in backward" and row["n"] == 2
+        assert row["ratio_mean"] == round(statistics.fmean(ratios), 3) and row["ratio_sd"] == round(statistics.stdev(ratios), 3)
