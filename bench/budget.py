@@ -40,6 +40,7 @@ import argparse
 import logging
 import math
 import shutil
+import statistics
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -323,6 +324,13 @@ def _cell(row: dict) -> str:
     return f"{fmt_ci(row['time_ci'], ' s')} to target ({row['reached']}), test acc {fmt_ci(row['test_acc_ci'])}"
 
 
+def _eval_step(row: dict) -> str:
+    """The median training seconds between two evaluations of the row's runs: the resolution of its time to
+    target (a run reaches the target at an evaluation, not between)."""
+    steps = [b[0] - a[0] for curve in row.get("curves") or [] for a, b in zip(curve, curve[1:])]
+    return f"{statistics.median(steps):.1f}" if steps else ""
+
+
 def verdicts(rows: list[dict]) -> list[dict]:
     """Per model and budget: the fastest method to the target, NeuroFlux's time, what method: auto chose and its
     time to target (its plan included) as a ratio, paired by seed, of the fastest method's and of the fastest
@@ -496,6 +504,7 @@ def write(rows: list[dict], args, notes: str, measured_by: dict | None = None) -
            "peak": format_bytes(r["peak_bytes"]) if r["peak_bytes"] else "",
            "to target": _cell(r).split(" to target")[0] if r["feasible"] else _cell(r),
            "reached": r.get("reached", ""), "CPU s": f"{r['cpu_to_target_s']:.1f}" if r.get("cpu_to_target_s") else "",
+           "s between evaluations": _eval_step(r),
            "test acc": fmt_ci(r["test_acc_ci"]) if r["feasible"] else "",
            **({"machine": r.get("machine", "")} if len({r.get("machine") for r in rows}) > 1 else {}),
            **({"run": (r.get("run") or "").replace("T", " ")} if len({r.get("run") for r in rows}) > 1 else {})}
