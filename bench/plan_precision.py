@@ -60,6 +60,9 @@ def repeat_plans(name: str, fraction: float, versions: dict, repeats: int, bargs
             rows = core.plan_training(build_model(**spec, seed=0), splits["train"], opts,
                                       candidates=budget.BACKPROP_METHODS)
             seconds, rates = time.perf_counter() - started, {r.method: r.samples_per_s for r in rows}
+            if rates["backprop"] is None:
+                raise SystemExit(f"{opts.model.key}: plain backprop does not fit {fraction:g} of its batch-32 peak, "
+                                 "which every ratio here is over: choose a larger --fraction")
             records.append({"model": opts.model.key, "budget_frac": fraction, "version": version, "repeat": i,
                             "plan_s": seconds, "rates": rates, "chose": core.fastest(rows).method})
             print(f"{opts.model.key} {version} #{i + 1}: {seconds:.1f} s, chose {records[-1]['chose']}", flush=True)
@@ -74,7 +77,9 @@ def summarise(records: list[dict]) -> list[dict]:
         plans = [r for r in records if (r["model"], r["version"]) == key]
         choices = Counter(budget.METHODS[p["chose"]] for p in plans)
         for method in budget.BACKPROP_METHODS[1:]:
-            ratios = [p["rates"][method] / p["rates"]["backprop"] for p in plans]
+            ratios = [p["rates"][method] / p["rates"]["backprop"] for p in plans if p["rates"][method]]
+            if not ratios:   # does not fit the budget
+                continue
             rows.append({"model": key[0], "plan": key[1], "candidate": budget.METHODS[method],
                          "ratio_mean": round(statistics.fmean(ratios), 3),
                          "ratio_sd": round(statistics.stdev(ratios), 3) if len(ratios) > 1 else None,
@@ -93,7 +98,7 @@ def plot(records: list[dict], path: Path) -> None:
         for k, version in enumerate(versions):
             plans = [r for r in records if r["model"] == model and r["version"] == version]
             for j, method in enumerate(methods):
-                ys = [p["rates"][method] / p["rates"]["backprop"] for p in plans]
+                ys = [p["rates"][method] / p["rates"]["backprop"] for p in plans if p["rates"][method]]
                 ax.scatter([j + (k - (len(versions) - 1) / 2) * 0.25] * len(ys), ys, s=22, alpha=0.8,
                            color=COLOURS[HERE if version == HERE else "earlier"],
                            label=version if j == 0 else None)

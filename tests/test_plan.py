@@ -81,13 +81,38 @@ def test_the_candidates_are_timed_in_turn_at_their_median_round(mnist_subset, mo
     import edgeflux.plan.core as core
 
     train = tensors(mnist_subset, "target_train", limit=256)
-    timed, rates = [], iter([100.0, 200.0, 10.0, 190.0, 90.0, 20.0])    # rounds of (backprop, step in backward)
+    timed, rates = [], {False: iter([100.0, 10.0, 90.0]), True: iter([200.0, 190.0, 20.0])}   # by fused_step
     monkeypatch.setattr(core, "time_step", lambda model, data, opts, batch, run, steps:
-                        timed.append(opts.tricks.fused_step) or next(rates))
+                        timed.append(opts.tricks.fused_step) or next(rates[opts.tricks.fused_step]))
     rows = plan_training(build_model(**MODEL, seed=0), train, section("12MB"),
                          candidates=("backprop", "backprop-fused_step"))
-    assert core.ROUNDS == 3 and timed == [False, True] * 3
+    assert core.ROUNDS == 3 and timed == [False, True, True, False, False, True]   # each round one further along
     assert [r.samples_per_s for r in rows] == [90.0, 190.0] and rows[0].epoch_s == pytest.approx(256 / 90)
+
+
+def test_a_partly_stored_plan_sizes_and_times_only_what_it_lacks(mnist_subset, monkeypatch, tmp_path):
+    """A stored plan that holds some candidates: only the others are sized and timed, an infeasible one is stored
+    as soon as it is sized, and the rows come back in the candidates' order, the stored ones scaled to the data."""
+    import edgeflux.plan.core as core
+
+    train, model, p = tensors(mnist_subset, "target_train", limit=256), build_model(**MODEL, seed=0), section("12MB")
+    cache = PlanCache(plan_key(model, train, p, "cpu"), root=tmp_path)
+    monkeypatch.setattr(core, "time_step", lambda *a: 100.0)
+    [stored] = plan_training(model, train, p, candidates=("backprop-fused_step",), cache=cache)
+    sized, size_one = [], core.size_one
+    monkeypatch.setattr(core, "size_one", lambda spec, *a: sized.append(spec) or size_one(spec, *a))
+    monkeypatch.setattr(core, "time_step", lambda model, data, opts, *a: pytest.fail("timed a candidate") if
+                        opts.tricks.fused_step else 50.0)
+    more = tensors(mnist_subset, "target_train", limit=512)
+    cache = PlanCache(plan_key(model, more, p, "cpu"), root=tmp_path)
+    rows = plan_training(model, more, p, candidates=("backprop", "backprop-fused_step"), cache=cache)
+    assert sized == ["backprop"] and [r.method for r in rows] == ["backprop", "backprop-fused_step"]
+    assert rows[0].samples_per_s == 50.0 and rows[1].epoch_s == pytest.approx(2 * stored.epoch_s)
+    monkeypatch.setattr(core, "time_step", lambda *a: pytest.fail("timed an infeasible candidate"))
+    monkeypatch.setattr(core, "ROUNDS", 0)   # a plan cut short after sizing: the infeasible row is stored already
+    cut = PlanCache(plan_key(model, train, section("1MB"), "cpu"), root=tmp_path)
+    plan_training(model, train, section("1MB"), candidates=("backprop",), cache=cut)
+    assert not PlanCache(cut.key, root=tmp_path).get("backprop").feasible
 
 
 def test_a_timing_window_is_whole_updates_of_at_least_64_samples_after_the_warm_up(mnist_subset, monkeypatch):
@@ -106,13 +131,19 @@ def test_a_timing_window_is_whole_updates_of_at_least_64_samples_after_the_warm_
             seen.append(len(y))
             return self.step(x, y)
     monkeypatch.setattr(core, "fit_step", lambda *a, **k: Counted(fit_step(*a, **k)))
-    for spec, batch, steps, calls in (("backprop", 5, 1, 2 + 13),      # 13 x 5 = 65 samples: the first >= 64
-                                      ("backprop", 40, 3, 2 + 3),      # 3 steps hold 120 already
-                                      ("backprop-accumulate", 8, 1, 4 * (2 + 2))):   # updates of 4 x 8: two of them
+    for spec, batch, steps, calls in (("backprop", 5, 1, [5] * (2 + 13)),    # 13 x 5 = 65 samples: the first >= 64
+                                      ("backprop", 40, 3, [40] * (2 + 3)),     # 3 steps hold 120 already
+                                      ("backprop-accumulate", 8, 1, [8] * (4 * (2 + 2)))):   # updates of 4 x 8
         o = backprop_options(spec, section("12MB", tricks={"effective_batch": 32}))
         seen.clear()
         per_s = core.time_step(model, train, o, batch, TrainRun(tricks=o.tricks), steps)
-        assert seen == [batch] * calls and per_s > 0, spec
+        assert seen == calls and per_s > 0, spec
+    # 100 samples an epoch at micro-batch 8: 13 micro-batches, groups of 4, 4, 4 and 1 (a group never spans two
+    # epochs); 2 groups of warm-up, then 32 + 4 samples, then the next epoch's first group closes the window
+    o = backprop_options("backprop-accumulate", section("12MB", tricks={"effective_batch": 32}))
+    seen.clear()
+    core.time_step(model, tensors(mnist_subset, "target_train", limit=100), o, 8, TrainRun(tricks=o.tricks), 1)
+    assert seen == [8] * 12 + [4] + [8] * 4
 
 
 def _row(method: str, per_s: float | None, feasible: bool = True, full: bool = True, need: int | None = None,

@@ -89,16 +89,20 @@ def time_step(model: nn.Module, train: tuple, opts: TrainOptions, batch: int, ru
     step = fit_step(copy.deepcopy(model).to(run.device).train(), opts, batch, run, len(y))
     hook = run.make_before_step(step, train, batch) if run.make_before_step else None
     group = step.accumulation.every if step.accumulation is not None else 1
-    result, seen, elapsed = TrainResult(), 0, 0.0
+    per_epoch = math.ceil(len(y) / batch)
+    result, groups, seen, elapsed = TrainResult(), 0, 0, 0.0
     epochs = (batches(x, y, batch, shuffle=True, seed=opts.seed + e) for e in itertools.count())
     for i, (xb, yb) in enumerate(b for epoch in epochs for b in epoch):
         if hook is not None:
             hook(result)         # an elastic hook profiles in the warm-up groups
         start = time.perf_counter()
         step(xb.to(run.device), yb.to(run.device))
-        if i >= group * WARMUP:
+        if groups >= WARMUP:
             elapsed, seen = elapsed + time.perf_counter() - start, seen + len(yb)
-            if (i + 1) % group == 0 and (i + 1) // group - WARMUP >= steps and seen >= WINDOW_SAMPLES:
+        k = i % per_epoch
+        if (k + 1) % group == 0 or k + 1 == per_epoch:   # a group closes (as Accumulation: never across epochs)
+            groups += 1
+            if groups - WARMUP >= steps and seen >= WINDOW_SAMPLES:
                 break
     return seen / max(elapsed, 1e-9)
 
@@ -129,25 +133,30 @@ def size_one(spec: str, c: Candidate, train: tuple) -> PlanRow:
 def plan_rows(specs, make: Callable[[str], Candidate], train: tuple, steps: int, cache=None) -> list[PlanRow]:
     """The row of every candidate in ``specs`` (make(spec): what it trains): one ``cache`` (PlanCache; None:
     none) holds is taken from it, its epoch time scaled to the training data; every other is sized, then timed
-    in ROUNDS rounds that take the candidates in turn (one candidate's copy alive at a time), at its median
-    round, and stored in ``cache``. In turn, not one after the other: the machine's speed drifts by more than
-    the candidates differ within seconds, and a ranking must not follow the drift."""
+    in ROUNDS rounds that take the candidates in turn, each round starting one further along (one candidate's
+    copy alive at a time), at its median round, and stored in ``cache`` (an infeasible one as soon as sized).
+    In turn, not one after the other: the machine's speed drifts by more than the candidates differ within
+    seconds, and a ranking must not follow the drift."""
     samples = len(train[1])
     rows = {s: cache.get(s) if cache is not None else None for s in specs}
     rows = {s: replace(r, epoch_s=samples / r.samples_per_s if r.samples_per_s else None) if r else None
             for s, r in rows.items()}
     measured = {s: size_one(s, make(s), train) for s, r in rows.items() if r is None}
-    rates = {s: [] for s, r in measured.items() if r.feasible}
-    for _ in range(ROUNDS):
-        for s in rates:
-            c = make(s)
-            rates[s].append(time_step(c.model, train, c.opts, measured[s].batch, c.run, steps))
-    for s, row in measured.items():
-        if s in rates:
-            per_s = statistics.median(rates[s])
-            row = measured[s] = replace(row, samples_per_s=per_s, epoch_s=samples / per_s)
-            log.info("plan %s: batch %d, %.1f samples/s (rounds: %s)", s, row.batch, per_s,
-                     ", ".join(f"{r:.1f}" for r in rates[s]))
+    for row in measured.values():
+        if cache is not None and not row.feasible:
+            cache.put(row)
+    order = [s for s, r in measured.items() if r.feasible]
+    rates = {s: [] for s in order}
+    for turn in range(ROUNDS * len(order)):
+        s = order[(turn + turn // len(order)) % len(order)]
+        c = make(s)
+        rates[s].append(time_step(c.model, train, c.opts, measured[s].batch, c.run, steps))
+        del c   # before the next candidate's copy is made
+    for s in order:
+        per_s = statistics.median(rates[s])
+        row = measured[s] = replace(measured[s], samples_per_s=per_s, epoch_s=samples / per_s)
+        log.info("plan %s: batch %d, %.1f samples/s (rounds: %s)", s, row.batch, per_s,
+                 ", ".join(f"{r:.1f}" for r in rates[s]))
         if cache is not None:
             cache.put(row)
     return [rows[s] or measured[s] for s in specs]

@@ -69,8 +69,9 @@ def plan_neuroflux(spec: dict, train: tuple, opts, steps: int = STEPS, device: s
 
 
 def median_step_s(step, x, y, batch: int, steps: int) -> float:
-    """A block step's median seconds over ``steps`` batches of (x, y) after WARMUP ones (as time_step times the
-    other candidates), cycling through the batches x holds when they are fewer."""
+    """A block step's median seconds over ``steps`` batches of (x, y) after WARMUP ones, cycling through the
+    batches x holds when they are fewer. Not in rounds with the other candidates: NeuroFlux is not one method
+    auto chooses among, and its blocks' inputs are the previous blocks' outputs, computed once."""
     count = max(1, len(y) // batch)
     seconds = []
     for i in range(WARMUP + steps):
