@@ -10,12 +10,13 @@ stage imports only the part it runs); cache.py: the rows kept for the next run w
 options and machine (method: auto reuses them; `edgeflux plan` measures afresh and stores).
 
 For each candidate the batch is chosen as its run chooses it (``edgeflux.backprop.fit_model_batch``: the largest
-whose measured step fits, or BudgetTooSmallError with the smallest feasible budget), then the step its run
-trains with (``edgeflux.train.fit_step``, on a copy) is timed on the training data: a window of a few batches
-(at least 64 samples) after two warm-up ones, in three rounds that take the candidates in turn, so that the
-machine's own drift falls on all of them alike; samples per second at the median round, and from it the seconds
-an epoch of the training set takes (training only). What a candidate trades away is said beside it: recomputation, BatchNorm on micro-batches, the
-parameters it leaves frozen (an accuracy risk no few-step plan can measure).
+whose measured step fits, or BudgetTooSmallError with the smallest feasible budget), then the step its run trains
+with (``edgeflux.train.fit_step``, on a copy) is timed on the training data: a window of a few batches (at least 64
+samples) after two warm-up ones, in three rounds that take the candidates in turn (each round starting one further
+along), so that the machine's own drift falls on all of them alike; samples per second at the median round, and
+from it the seconds an epoch of the training set takes (training only). What a candidate trades away is said beside
+it: recomputation, BatchNorm on micro-batches, the parameters it leaves frozen (an accuracy risk no few-step plan
+can measure).
 
 ``method: auto`` (train_bp, finetune) trains with the fastest feasible candidate among those that train every
 parameter: the same model and loss, only how memory is spent differs. It trains from the batch the plan

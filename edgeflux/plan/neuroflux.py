@@ -25,8 +25,8 @@ log = logging.getLogger(__name__)
 def plan_neuroflux(spec: dict, train: tuple, opts, steps: int = STEPS, device: str | torch.device = "cpu") -> PlanRow:
     """NeuroFlux on the model ``spec`` (build_model arguments) with opts' settings (the neuroflux section): the
     profile and partition its stages run (Algorithm 1), then each block's step measured at its batch and timed
-    on its input (the units before it, run forward once) over as many steps as the other candidates' rounds time
-    groups; an epoch is every block's pass over the training set."""
+    on its input (the units before it, run forward once) over steps x ROUNDS steps, as many as the other
+    candidates' rounds time at least; an epoch is every block's pass over the training set."""
     model, learners = build_learners(spec, aux_args(opts))
     trainable = count_params(nn.ModuleList(learners))
     profiles = profile_units(learners, model.describe(), spec["num_classes"], optimizer_factory(opts),
