@@ -793,3 +793,15 @@ def test_plan_precision_alternates_the_versions_and_reports_each_candidates_spre
         ratios = [p["rates"]["backprop-fused_step"] / p["rates"]["backprop"] for p in plans if p["version"] == row["plan"]]
         assert row["candidate"] == "step in backward" and row["n"] == 2
         assert row["ratio_mean"] == round(statistics.fmean(ratios), 3) and row["ratio_sd"] == round(statistics.stdev(ratios), 3)
+        assert row["rounds"] == statistics.fmean(len(p["rounds"]["backprop-fused_step"]) for p in plans
+                                                 if p["version"] == row["plan"])
+    assert all(set(p["rounds"]) == {"backprop", "backprop-fused_step"} for p in plans)   # every revision's log read
+    steps = result["warmup_steps"]   # three rounds of each candidate's first steps, over its later steps' median
+    assert [(s["round"], s["candidate"]) for s in steps] == [(k, m) for k in (1, 2, 3)
+                                                            for m in ("backprop", "backprop-fused_step")]
+    assert all(len(s["steps"]) == 3 and min(s["steps"]) > 0 for s in steps)
+    [section] = result["sections"]
+    assert [r["round"] for r in section["rows"]] == [1, 2, 3] and section["rows"][0]["candidates"] == 2
+    # a candidate's first round against its median, each as a share of the fastest timed every round
+    plan = {"rounds": {"a": [100.0, 90.0, 80.0], "b": [50.0, 100.0, 100.0], "c": [30.0]}}
+    assert [plan_precision.first_round_gap(plan, m) for m in "abc"] == [pytest.approx(0.1), -0.5, None]

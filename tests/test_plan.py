@@ -81,13 +81,31 @@ def test_the_candidates_are_timed_in_turn_at_their_median_round(mnist_subset, mo
     import edgeflux.plan.core as core
 
     train = tensors(mnist_subset, "target_train", limit=256)
-    timed, rates = [], {False: iter([100.0, 10.0, 90.0]), True: iter([200.0, 190.0, 20.0])}   # by fused_step
+    timed, rates = [], {False: iter([150.0, 10.0, 90.0]), True: iter([200.0, 190.0, 20.0])}   # by fused_step
     monkeypatch.setattr(core, "time_step", lambda model, data, opts, batch, run, steps:
                         timed.append(opts.tricks.fused_step) or next(rates[opts.tricks.fused_step]))
     rows = plan_training(build_model(**MODEL, seed=0), train, section("12MB"),
                          candidates=("backprop", "backprop-fused_step"))
     assert core.ROUNDS == 3 and timed == [False, True, True, False, False, True]   # each round one further along
     assert [r.samples_per_s for r in rows] == [90.0, 190.0] and rows[0].epoch_s == pytest.approx(256 / 90)
+    assert [r.rounds for r in rows] == [3, 3]
+
+
+def test_after_two_rounds_only_the_candidates_still_in_the_running_are_timed(monkeypatch):
+    """A candidate auto could choose that two rounds found below CONTENDS of the fastest such candidate is timed no
+    more (its row keeps those rounds); one stalled round does not put it out; one auto would not choose is timed
+    every round (the user weighs its row)."""
+    import edgeflux.plan.core as core
+
+    rounds = {"a": [100.0] * 2, "b": [200.0] * 3, "c": [20.0, 180.0, 180.0],   # c: a stall, then as fast as b
+              "d": [500.0] * 3, "e": [50.0] * 3, "f": [139.0] * 2}             # d, e train less; f: under 0.7 x b
+    monkeypatch.setattr(core, "size_one", lambda spec, c, train: _row(spec, None, full=spec in "abcf"))
+    rates, timed = {s: iter(r) for s, r in rounds.items()}, []
+    monkeypatch.setattr(core, "time_step", lambda spec, *a: timed.append(spec) or next(rates[spec]))
+    rows = core.plan_rows("abcdef", lambda spec: core.Candidate(spec, spec, None, None), ([0] * 80, [0] * 80), 3)
+    assert (core.CONTENDS, core.DECIDES) == (0.7, 2) and timed == [*"abcdef", *"bcdefa", *"debc"]
+    assert [r.rounds for r in rows] == [2, 3, 3, 3, 3, 2]
+    assert [r.samples_per_s for r in rows] == [100, 200, 180, 500, 50, 139] and rows[0].epoch_s == pytest.approx(0.8)
 
 
 def test_a_partly_stored_plan_sizes_and_times_only_what_it_lacks(mnist_subset, monkeypatch, tmp_path):
@@ -117,7 +135,8 @@ def test_a_partly_stored_plan_sizes_and_times_only_what_it_lacks(mnist_subset, m
 
 def test_a_timing_window_is_whole_updates_of_at_least_64_samples_after_the_warm_up(mnist_subset, monkeypatch):
     """A few small batches last milliseconds, less than the machine's jitter: the window grows to
-    WINDOW_SAMPLES samples, in whole groups (accumulation's micro-batches of one update), after WARMUP groups."""
+    WINDOW_SAMPLES samples and ``steps`` steps, in whole groups (accumulation's micro-batches of one update), after
+    WARMUP groups."""
     import edgeflux.plan.core as core
 
     train = tensors(mnist_subset, "target_train", limit=256)
@@ -131,16 +150,20 @@ def test_a_timing_window_is_whole_updates_of_at_least_64_samples_after_the_warm_
             seen.append(len(y))
             return self.step(x, y)
     monkeypatch.setattr(core, "fit_step", lambda *a, **k: Counted(fit_step(*a, **k)))
-    for spec, batch, steps, calls in (("backprop", 5, 1, [5] * (2 + 13)),    # 13 x 5 = 65 samples: the first >= 64
-                                      ("backprop", 40, 3, [40] * (2 + 3)),     # 3 steps hold 120 already
-                                      ("backprop-accumulate", 8, 1, [8] * (4 * (2 + 2)))):   # updates of 4 x 8
+    assert core.WARMUP == 1
+    for spec, batch, steps, calls in (("backprop", 5, 1, [5] * (1 + 13)),    # 13 x 5 = 65 samples: the first >= 64
+                                      ("backprop", 40, 3, [40] * (1 + 3)),     # 3 steps hold 120 already
+                                      ("backprop-accumulate", 8, 1, [8] * (4 * (1 + 2))),   # updates of 4 x 8
+                                      ("backprop-accumulate", 8, 9, [8] * (4 * (1 + 3)))):  # 9 steps: 3 updates
         o = backprop_options(spec, section("12MB", tricks={"effective_batch": 32}))
         seen.clear()
         per_s = core.time_step(model, train, o, batch, TrainRun(tricks=o.tricks), steps)
         assert seen == calls and per_s > 0, spec
     # 100 samples an epoch at micro-batch 8: 13 micro-batches, groups of 4, 4, 4 and 1 (a group never spans two
-    # epochs); 2 groups of warm-up, then 32 + 4 samples, then the next epoch's first group closes the window
+    # epochs); a group of warm-up, then 32 + 32 + 4 samples (under a window of 70), then the next epoch's first
+    # group closes the window
     o = backprop_options("backprop-accumulate", section("12MB", tricks={"effective_batch": 32}))
+    monkeypatch.setattr(core, "WINDOW_SAMPLES", 70)
     seen.clear()
     core.time_step(model, tensors(mnist_subset, "target_train", limit=100), o, 8, TrainRun(tricks=o.tricks), 1)
     assert seen == [8] * 12 + [4] + [8] * 4

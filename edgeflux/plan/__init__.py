@@ -12,9 +12,11 @@ options and machine (method: auto reuses them; `edgeflux plan` measures afresh a
 For each candidate the batch is chosen as its run chooses it (``edgeflux.backprop.fit_model_batch``: the largest
 whose measured step fits, or BudgetTooSmallError with the smallest feasible budget), then the step its run trains
 with (``edgeflux.train.fit_step``, on a copy) is timed on the training data: a window of a few batches (at least 64
-samples) after two warm-up ones, in three rounds that take the candidates in turn (each round starting one further
+samples) after a warm-up one, in three rounds that take the candidates in turn (each round starting one further
 along), so that the machine's own drift falls on all of them alike; samples per second at the median round, and
-from it the seconds an epoch of the training set takes (training only). What a candidate trades away is said beside
+from it the seconds an epoch of the training set takes (training only). A candidate auto could choose that the
+first two rounds both find far slower than the fastest (below 70%) is not timed a third time: it cannot become the
+choice, and its row keeps those two rounds. What a candidate trades away is said beside
 it: recomputation, BatchNorm on micro-batches, the parameters it leaves frozen (an accuracy risk no few-step plan
 can measure).
 

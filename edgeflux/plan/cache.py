@@ -36,7 +36,7 @@ from .core import PlanRow
 log = logging.getLogger(__name__)
 
 PLANS = Path(".edgeflux/plans")
-FORMAT = 2   # the rows' meaning (2: samples/s timed in rounds): a file of another format is measured again
+FORMAT = 3   # the rows' meaning (3: timed in rounds, the slow out after the first): another format is measured again
 # options that change neither a step's memory nor its speed: runs that differ only in these share a plan
 # (the data's size neither: a stored row's epoch time is scaled to the data's; incoming samples grow it)
 UNTIMED = {"seed", "epochs", "evals_per_epoch", "lr", "lr_scaling", "lr_reference_batch", "method", "methods",

@@ -62,6 +62,7 @@ class PlanRow:
     trainable_params: int
     trades: str
     full: bool                   # trains every parameter (a candidate of method: auto)
+    rounds: int | None = None    # the timing rounds samples_per_s is the median of (fewer: out of the running)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -73,16 +74,24 @@ def _trades(spec: str) -> str:
 
 
 ROUNDS = 3   # every candidate is timed once per round, in turn: the machine's slow seconds fall on all of them
-STEPS = 3    # timed groups per candidate and round (more while they hold fewer than WINDOW_SAMPLES samples)
+STEPS = 3    # timed steps per candidate and round (more while they hold fewer than WINDOW_SAMPLES samples)
 WINDOW_SAMPLES = 64   # a window of a few small batches lasts milliseconds: shorter than the machine's own jitter
-WARMUP = 2   # groups before timing: the first allocates optimizer state, the second still settles caches
+# groups before timing: the first on a fresh copy allocates the optimizer's state; the steps after it are within
+# the machine's jitter of the later ones (bench/results/plan_precision.md, the warm-up table)
+WARMUP = 1
+# after two rounds, a candidate auto could choose that both found below this share of the fastest such candidate's
+# samples/s is timed no more (its row keeps those rounds): not after one, since a round's share strays from the
+# median's by up to 0.32 (bench/results/plan_precision.md, first_round_gap) and can hold a stall (a preempted
+# core); a candidate within NOISE of the fastest would have to stray that far twice
+CONTENDS = 0.7
+DECIDES = 2   # the rounds after which the slow are out
 
 
 def time_step(model: nn.Module, train: tuple, opts: TrainOptions, batch: int, run: TrainRun, steps: int) -> float:
-    """Samples per second of the step fit trains with at ``batch`` (on a copy of ``model``) over one window:
-    ``steps`` groups (one step; with accumulation, the micro-batches of one update), and more until the window
-    holds WINDOW_SAMPLES samples, of the training data after WARMUP groups (the data's epochs repeated when it
-    holds fewer). The window's samples over its seconds, as a run's epoch counts them."""
+    """Samples per second of the step fit trains with at ``batch`` (on a copy of ``model``) over one window of
+    the training data after WARMUP groups (a group: one step; with accumulation, the micro-batches of one
+    update): whole groups, until it holds ``steps`` steps and WINDOW_SAMPLES samples (the data's epochs repeated
+    when it holds fewer). The window's samples over its seconds, as a run's epoch counts them."""
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     x, y = train
@@ -90,7 +99,7 @@ def time_step(model: nn.Module, train: tuple, opts: TrainOptions, batch: int, ru
     hook = run.make_before_step(step, train, batch) if run.make_before_step else None
     group = step.accumulation.every if step.accumulation is not None else 1
     per_epoch = math.ceil(len(y) / batch)
-    result, groups, seen, elapsed = TrainResult(), 0, 0, 0.0
+    result, groups, timed, seen, elapsed = TrainResult(), 0, 0, 0, 0.0
     epochs = (batches(x, y, batch, shuffle=True, seed=opts.seed + e) for e in itertools.count())
     for i, (xb, yb) in enumerate(b for epoch in epochs for b in epoch):
         if hook is not None:
@@ -98,11 +107,11 @@ def time_step(model: nn.Module, train: tuple, opts: TrainOptions, batch: int, ru
         start = time.perf_counter()
         step(xb.to(run.device), yb.to(run.device))
         if groups >= WARMUP:
-            elapsed, seen = elapsed + time.perf_counter() - start, seen + len(yb)
+            elapsed, seen, timed = elapsed + time.perf_counter() - start, seen + len(yb), timed + 1
         k = i % per_epoch
         if (k + 1) % group == 0 or k + 1 == per_epoch:   # a group closes (as Accumulation: never across epochs)
             groups += 1
-            if groups - WARMUP >= steps and seen >= WINDOW_SAMPLES:
+            if timed >= steps and seen >= WINDOW_SAMPLES:
                 break
     return seen / max(elapsed, 1e-9)
 
@@ -136,7 +145,8 @@ def plan_rows(specs, make: Callable[[str], Candidate], train: tuple, steps: int,
     in ROUNDS rounds that take the candidates in turn, each round starting one further along (one candidate's
     copy alive at a time), at its median round, and stored in ``cache`` (an infeasible one as soon as sized).
     In turn, not one after the other: the machine's speed drifts by more than the candidates differ within
-    seconds, and a ranking must not follow the drift."""
+    seconds, and a ranking must not follow the drift. After DECIDES rounds only the candidates still in the
+    running (contenders) are timed again."""
     samples = len(train[1])
     rows = {s: cache.get(s) if cache is not None else None for s in specs}
     rows = {s: replace(r, epoch_s=samples / r.samples_per_s if r.samples_per_s else None) if r else None
@@ -147,19 +157,29 @@ def plan_rows(specs, make: Callable[[str], Candidate], train: tuple, steps: int,
             cache.put(row)
     order = [s for s, r in measured.items() if r.feasible]
     rates = {s: [] for s in order}
-    for turn in range(ROUNDS * len(order)):
-        s = order[(turn + turn // len(order)) % len(order)]
-        c = make(s)
-        rates[s].append(time_step(c.model, train, c.opts, measured[s].batch, c.run, steps))
-        del c   # before the next candidate's copy is made
-    for s in order:
-        per_s = statistics.median(rates[s])
-        row = measured[s] = replace(measured[s], samples_per_s=per_s, epoch_s=samples / per_s)
+    for turn in range(ROUNDS if order else 0):
+        if turn == DECIDES:
+            order = contenders(order, rates, measured)
+        for s in order[turn % len(order):] + order[:turn % len(order)]:
+            c = make(s)
+            rates[s].append(time_step(c.model, train, c.opts, measured[s].batch, c.run, steps))
+            del c   # before the next candidate's copy is made
+    for s, timed in rates.items():
+        per_s = statistics.median(timed)
+        row = measured[s] = replace(measured[s], samples_per_s=per_s, epoch_s=samples / per_s, rounds=len(timed))
         log.info("plan %s: batch %d, %.1f samples/s (rounds: %s)", s, row.batch, per_s,
-                 ", ".join(f"{r:.1f}" for r in rates[s]))
+                 ", ".join(f"{r:.1f}" for r in timed))
         if cache is not None:
             cache.put(row)
     return [rows[s] or measured[s] for s in specs]
+
+
+def contenders(order: list[str], rates: dict[str, list[float]], rows: dict[str, PlanRow]) -> list[str]:
+    """The candidates of ``order`` worth timing again: every one auto could not choose (its row is for the user to
+    weigh), and of those it could, each at CONTENDS of the fastest such candidate in at least one round so far."""
+    full = [s for s in order if rows[s].full]
+    tops = [max(rates[s][k] for s in full) for k in range(min(len(rates[s]) for s in full))] if full else []
+    return [s for s in order if not rows[s].full or any(r >= CONTENDS * t for r, t in zip(rates[s], tops))]
 
 
 def plan_training(model: nn.Module, train: tuple, opts, candidates=None, steps: int = STEPS,

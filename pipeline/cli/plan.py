@@ -133,6 +133,7 @@ def print_table(stage: str, budget: int | None, rows: list, chosen: str | None,
     from rich.table import Table
 
     from edgeflux.memory.sizes import budget_at_least, format_bytes
+    from edgeflux.plan.core import CONTENDS, ROUNDS
 
     table = Table(title=f"{stage} under {format_bytes(budget)}: measured step peak, timed samples/s", title_justify="left")
     for name, justify in (("method", "left"), ("fits", "left"), ("batch", "right"), ("peak", "right"),
@@ -146,10 +147,18 @@ def print_table(stage: str, budget: int | None, rows: list, chosen: str | None,
                                              if r.samples_per_update and r.samples_per_update > r.batch else str(r.batch))
         table.add_row(r.label + ("  <- auto" if r.method == chosen else ""), fits, batch,
                       format_bytes(r.peak_bytes) if r.peak_bytes else "-",
-                      f"{r.samples_per_s:.0f}" if r.samples_per_s else "-", f"{r.epoch_s:.1f}" if r.epoch_s else "-",
+                      f"{r.samples_per_s:.0f}{'*' * _once(r, ROUNDS)}" if r.samples_per_s else "-",
+                      f"{r.epoch_s:.1f}" if r.epoch_s else "-",
                       f"{r.trainable_params:,}", r.trades,
                       *([_estimate(estimates[r.method])] if estimates is not None else []))
     Console(width=160).print(table)
+    if any(_once(r, ROUNDS) for r in rows):
+        print(f"* timed in fewer rounds than {ROUNDS}: below {CONTENDS:.0%} of the fastest full method's samples/s in "
+              "each round before, out of the running")
+
+
+def _once(row, rounds: int) -> bool:
+    return row.rounds is not None and row.rounds < rounds
 
 
 def _estimate(e: dict) -> str:
@@ -202,9 +211,10 @@ def add_plan(sub) -> None:
     p.add_argument("--stage", choices=(*STAGES, "all"), default="all", help="which stage's candidates (default: all)")
     p.add_argument("--model", metavar="M", help="the model: train_bp: a zoo name with its width (vgg11-w0.25) or "
                                                 "tv-<torchvision name>; finetune: a key of pretrain.models")
-    p.add_argument("--steps", type=_positive, help="timed steps per candidate and round (at least 64 samples), after two "
-                                             "warm-up steps; three rounds take the candidates in turn, the median "
-                                             "counts (default: edgeflux.plan.STEPS)")
+    p.add_argument("--steps", type=_positive, help="timed steps per candidate and round (at least 64 samples), after a "
+                                             "warm-up step; three rounds take the candidates in turn, the median "
+                                             "counts, the clearly slower out after the first (default: "
+                                             "edgeflux.plan.STEPS)")
     p.add_argument("--target-acc", type=_fraction, metavar="A", help="also estimate each row's seconds to validation "
                                                                      "accuracy A (0-1) from the stage's last curve")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
