@@ -108,6 +108,21 @@ def test_after_two_rounds_only_the_candidates_still_in_the_running_are_timed(mon
     assert [r.samples_per_s for r in rows] == [100, 200, 180, 500, 50, 139] and rows[0].epoch_s == pytest.approx(0.8)
 
 
+def test_the_plans_table_marks_the_rows_timed_in_fewer_rounds(capsys):
+    """`edgeflux plan`'s table: a row out of the running after two rounds is marked and the mark explained; a plan
+    whose rows were all timed every round has neither."""
+    from dataclasses import replace
+
+    from pipeline.cli.plan import print_table
+
+    rows = [replace(_row("backprop", 100.0), rounds=3), replace(_row("backprop-accumulate", 60.0), rounds=2)]
+    print_table("train_bp", 8_000_000, rows, "backprop")
+    out = capsys.readouterr().out
+    assert "60*" in out and "100*" not in out and "* timed in fewer rounds than 3: below 70%" in out
+    print_table("train_bp", 8_000_000, rows[:1], "backprop")
+    assert "*" not in capsys.readouterr().out
+
+
 def test_a_partly_stored_plan_sizes_and_times_only_what_it_lacks(mnist_subset, monkeypatch, tmp_path):
     """A stored plan that holds some candidates: only the others are sized and timed, an infeasible one is stored
     as soon as it is sized, and the rows come back in the candidates' order, the stored ones scaled to the data."""
