@@ -17,6 +17,7 @@ sizing, as in a plan) over its later steps' median, in the first round and in la
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import importlib.util
 import logging
@@ -74,17 +75,25 @@ def revision_core(rev: str):
     return module
 
 
-def cell_options(name: str, fraction: float, splits: dict, bargs):
-    """bench.budget's model spec and plain backprop's options at ``fraction`` of its batch-32 peak."""
+def cell_options(name: str, fraction: float, splits: dict, bargs) -> tuple:
+    """bench.budget's model spec, plain backprop's options at ``fraction`` of its batch-32 peak, and the fraction."""
     spec = budget.model_spec(name, bargs)
     limit = int(fraction * budget.reference_peak(spec, splits, bargs))
-    return spec, budget.bp_options("backprop", spec, limit, 0, bargs)
+    return spec, budget.bp_options("backprop", spec, limit, 0, bargs), fraction
 
 
-def repeat_plans(name: str, fraction: float, versions: dict, repeats: int, bargs) -> list[dict]:
-    """Every version's plan of one cell, ``repeats`` times, the versions alternated: a record per plan."""
-    splits = budget.default_splits(bargs)
-    spec, opts = cell_options(name, fraction, splits, bargs)
+def parse_cell(text: str) -> tuple[str, float]:
+    name, _, frac = text.partition(":")
+    try:
+        return name, float(frac)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a model and a budget fraction, e.g. resnet18:0.25") from None
+
+
+def repeat_plans(cell: tuple, splits: dict, versions: dict, repeats: int) -> list[dict]:
+    """Every version's plan of one cell (cell_options'), ``repeats`` times, the versions alternated: a record per
+    plan."""
+    spec, opts, fraction = cell
     records = []
     for i in range(repeats):
         for version, core in versions.items():
@@ -142,17 +151,16 @@ def summarise(records: list[dict]) -> list[dict]:
     return rows
 
 
-def warmup_steps(name: str, fraction: float, bargs) -> list[dict]:
+def warmup_steps(cell: tuple, splits: dict) -> list[dict]:
     """Each candidate's first steps on a fresh copy (as a plan's round makes it, at the batch its plan sized) over
-    the median of its next LATER_STEPS: in the first round, then in two more, the candidates in turn."""
-    splits = budget.default_splits(bargs)
-    spec, opts = cell_options(name, fraction, splits, bargs)
+    the median of its next LATER_STEPS, in the plan's ROUNDS rounds, the candidates in turn."""
+    spec, opts, fraction = cell
     model, (x, y) = build_model(**spec, seed=0), splits["train"]
     sized = {m: plan_core.size_one(m, plan_core.Candidate(m, model, o, TrainRun(
         "cpu", context=o.bittrain.context, tricks=o.tricks)), splits["train"])
         for m, o in ((m, backprop_options(m, opts)) for m in budget.BACKPROP_METHODS)}
     out = []
-    for turn in range(3):
+    for turn in range(plan_core.ROUNDS):
         for method, row in ((m, r) for m, r in sized.items() if r.feasible):
             o = backprop_options(method, opts)
             run = TrainRun("cpu", context=o.bittrain.context, tricks=o.tricks)
@@ -206,9 +214,10 @@ def plot(records: list[dict], path: Path) -> None:
 
 def main(argv=None) -> None:
     parser = bench_argparser(__doc__)
-    parser.add_argument("--cells", nargs="+", default=list(CELLS), metavar="MODEL:FRACTION",
+    parser.add_argument("--cells", nargs="+", type=parse_cell, default=[parse_cell(c) for c in CELLS],
+                        metavar="MODEL:FRACTION",
                         help="bench.budget's zoo models, each at a budget: this fraction of plain backprop's batch-32 "
-                             "peak (plain backprop must fit it); default: %(default)s")
+                             f"peak (plain backprop must fit it); default: {' '.join(CELLS)}")
     parser.add_argument("--repeats", type=int, default=6, help="plans per version and model")
     parser.add_argument("--against", metavar="REV", help="also an earlier revision's plan (a git commit)")
     args = parser.parse_args(argv)
@@ -216,13 +225,14 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     bargs = budget.parse_args(["--quick"] if args.quick else [])
     if args.quick:
-        args.cells, args.repeats = [f"{m}:0.5" for m in bargs.models], 2
-    cells = [(name, float(frac)) for name, _, frac in (c.partition(":") for c in args.cells)]
+        args.cells, args.repeats = [(m, 0.5) for m in bargs.models], 2
+    splits = budget.default_splits(bargs)
     versions = {HERE: plan_core, **({args.against: revision_core(args.against)} if args.against else {})}
     records, steps = [], []
-    for name, frac in cells:   # the warm-up first: the plans before it would have primed its first steps
-        steps += warmup_steps(name, frac, bargs)
-        records += repeat_plans(name, frac, versions, args.repeats, bargs)
+    for name, frac in args.cells:   # the warm-up first: the plans before it would have primed its first steps
+        cell = cell_options(name, frac, splits, bargs)
+        steps += warmup_steps(cell, splits)
+        records += repeat_plans(cell, splits, versions, args.repeats)
     result = BenchResult()
     for row in summarise(records):
         result.add(**row)
