@@ -80,25 +80,30 @@ class EdgeOptions(TrainOptions, MemoryOptions):
     """The edge's training options: the one loop's, with the memory options (no budget: --batch)."""
 
 
+def add_flags(parser) -> None:
+    """The flags bench.meanet and bench.meanet_blocks share: the CNNs, the data, pre-training, the edge's training."""
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS), metavar="MODEL",
+                        help=f"main-block CNNs (of {', '.join(MODELS)}; widths {MODELS})")
+    parser.add_argument("--pretrain-samples", type=int, default=None, help="source images (default: all 27,000)")
+    parser.add_argument("--pretrain-epochs", type=int, default=2, help="the main CNN's pre-training epochs")
+    parser.add_argument("--train-samples", type=int, default=None, help="target images the edge sees (hard ones train)")
+    parser.add_argument("--eval-samples", type=int, default=None, help="validation images (default: all)")
+    parser.add_argument("--test-samples", type=int, default=None, help="test images (default: all 10,000)")
+    parser.add_argument("--edge-epochs", type=int, default=4, help="epochs of the adaptive + extension blocks")
+    parser.add_argument("--batch", type=int, default=64, help="the edge's batch (bench.meanet: and the joint measurement's)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="the edge's learning rate (Adam)")
+
+
 def parse_args(argv=None):
     parser = bench_argparser(__doc__)
     parser.formatter_class = HelpFormatter
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS), metavar="MODEL",
-                        help=f"main-block CNNs (of {', '.join(MODELS)}; widths {MODELS})")
+    add_flags(parser)
     parser.add_argument("--variants", nargs="+", default=["A", "B"], choices=["A", "B"], help="MEANet models")
-    parser.add_argument("--pretrain-samples", type=int, default=None, help="source images (default: all 27,000)")
-    parser.add_argument("--pretrain-epochs", type=int, default=2, help="the main CNN's pre-training epochs")
     parser.add_argument("--cloud-epochs", type=int, default=1, help="model A: the main block's joint training epochs")
     parser.add_argument("--cloud-dir", type=Path, default=None,
                         help="clouds trained by bench.meanet_cloud (on a GPU): each seed serves its cloud_seed{S}.pt; "
                              "default: train bench.meanet_cloud's CNN here for --cloud-model-epochs")
     parser.add_argument("--cloud-model-epochs", type=int, default=2, help="without --cloud-dir: the cloud's epochs")
-    parser.add_argument("--train-samples", type=int, default=None, help="target images the edge sees (hard ones train)")
-    parser.add_argument("--eval-samples", type=int, default=None, help="validation images (default: all)")
-    parser.add_argument("--test-samples", type=int, default=None, help="test images (default: all 10,000)")
-    parser.add_argument("--edge-epochs", type=int, default=4, help="epochs of the adaptive + extension blocks")
-    parser.add_argument("--batch", type=int, default=64, help="the edge's batch, and the joint measurement's")
-    parser.add_argument("--lr", type=float, default=1e-3, help="the edge's learning rate (Adam)")
     parser.add_argument("--sweep", type=int, default=13, help="thresholds in the sweep")
     parser.add_argument("--n-hards", nargs="*", type=int, default=[3, 7],
                         help="Table V: other n_hard values for ResNet-18 model A (5, the default, always runs)")
@@ -134,12 +139,11 @@ def pretrain(name: str, epochs: int, data: dict, seed: int) -> torch.nn.Module:
     return model
 
 
-def main_net(pretrained, variant: str, args, data: dict, n_hard: int = 5):
-    """The MEANet of a copy of `pretrained` (model A: its main block trained at the cloud first)."""
+def main_net(pretrained, spec: MEANetSpec, args, data: dict):
+    """The MEANet ``spec`` of a copy of `pretrained` (model A: its main block trained at the cloud first)."""
     model = copy.deepcopy(pretrained)
-    spec = MEANetSpec(variant=variant, n_hard=n_hard)
     main, k = main_block(model, spec)
-    if variant == "A":
+    if spec.variant == "A":
         s = data["source"]
         opts = TrainOptions(epochs=args.cloud_epochs, batch_size=128, lr=0.05, evals_per_epoch=1, device="cpu",
                             seed=model.build_args["seed"])
@@ -147,12 +151,18 @@ def main_net(pretrained, variant: str, args, data: dict, n_hard: int = 5):
     return build_meanet(model, spec, model.build_args, main=main)
 
 
-def edge_run(net, hard, args, data: dict) -> dict:
-    """Train the adaptive + extension blocks (main block fixed) and measure both methods' steps at --batch."""
+def edge_train(net, hard, args, data: dict):
+    """Train the adaptive + extension blocks (main block fixed) at --batch: the run and its options."""
     t = data["target"]
     opts = EdgeOptions(epochs=args.edge_epochs, batch_size=args.batch, lr=args.lr, optimizer="adam",
                        evals_per_epoch=1, device="cpu", max_batch=args.batch, seed=net.build_args["seed"])
-    run = train_edge(net, hard, t["train"], t["val"], t["test"], opts, torch.device("cpu"))
+    return train_edge(net, hard, t["train"], t["val"], t["test"], opts, torch.device("cpu")), opts
+
+
+def edge_run(net, hard, args, data: dict) -> dict:
+    """Train the adaptive + extension blocks (main block fixed) and measure both methods' steps at --batch."""
+    t = data["target"]
+    run, opts = edge_train(net, hard, args, data)
     edge = edge_step_memory(net, hard, args.batch, t["train"], opts, "cpu")
     joint = joint_step_memory(net, hard, args.batch, t["train"], opts, "cpu")
     return {"edge_train_s": run.train.train_time_s, "edge_train_peak_bytes": edge.peak_bytes,
@@ -190,7 +200,7 @@ def at_share(sweep: list[dict], edge_only: dict, share: float) -> dict:
 def one_config(name: str, variant: str, pretrained, client, args, data: dict, plots: Path | None) -> dict:
     """One MEANet (model `variant` on `name`) trained on the edge and routed with the cloud; plots: the sweep's
     figure's directory (None: no figure)."""
-    net = main_net(pretrained, variant, args, data)
+    net = main_net(pretrained, MEANetSpec(variant=variant), args, data)
     hard, mu = hard_of(net, data, 5)
     row = {"model": name, "variant": variant, "seed": net.build_args["seed"],
            "hard_classes": [data["classes"][c] for c in hard.hard], "mu_correct": mu[0], "mu_wrong": mu[1],
@@ -230,7 +240,7 @@ def class_selection(pretrained, args, data: dict) -> list[dict]:
     choices = [(n, None) for n in [5, *args.n_hards]] + [(5, sorted(random.Random(0).sample(range(10), 5)))]
     x, y = data["target"]["test"]
     for n_hard, choose in choices:
-        net = main_net(pretrained, "A", args, data, n_hard)
+        net = main_net(pretrained, MEANetSpec(variant="A", n_hard=n_hard), args, data)
         hard, _ = hard_of(net, data, n_hard, choose)
         edge_run(net, hard, args, data)
         tables = edge_tables(net, hard, x, y)

@@ -44,8 +44,15 @@ def _mobiletl(d: dict, out: Path, name: str = "mobiletl") -> None:
 
 
 def _elastic(d: dict, out: Path, name: str = "elastic") -> None:
-    from bench.elastic import plot
+    from bench.elastic import plot, plot_rho
     plot(d["curves"], d["settings"]["seeds"][0], out / f"{name}.png")
+    if len(d["settings"]["rhos"]) > 1:
+        plot_rho(d["per_seed"], out / f"{name}_rho.png")
+
+
+def _meanet_blocks(d: dict, out: Path) -> None:
+    from bench.meanet_blocks import plot
+    plot(d["per_seed"], out / "meanet_blocks.png")
 
 
 def _neuroflux(d: dict, out: Path) -> None:
@@ -98,6 +105,7 @@ def _meanet(d: dict, out: Path) -> None:
 FIGURES: dict[str, Callable[[dict, Path], None]] = {
     "accumulate": _accumulate, "batch_throughput": _batch_throughput, "bittrain": _bittrain, "budget": _budget,
     "elastic": _elastic, "elastic_realistic": partial(_elastic, name="elastic_realistic"), "meanet": _meanet,
+    "meanet_blocks": _meanet_blocks,
     "memory_baseline": _memory_baseline, "mobiletl": _mobiletl,
     "mobiletl_realistic": partial(_mobiletl, name="mobiletl_realistic"), "neuroflux": _neuroflux, "pipeline": _pipeline,
     "plan": _plan, "realistic": _realistic, "servers": _servers, "tricks": _tricks,

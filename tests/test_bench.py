@@ -319,6 +319,57 @@ def test_elastic_quick_compares_elastic_with_the_baselines(tmp_path):
 
 
 @pytest.mark.slow   # a benchmark script end to end, tens of seconds
+def test_meanet_blocks_quick_trains_model_b_with_each_number_of_extension_blocks(tmp_path):
+    """bench.meanet_blocks: one model B per --blocks on the same pre-trained CNN: the same main block and hard
+    classes (so the same hard_acc_main), more trained parameters with more blocks, the gain as the difference."""
+    result = run_bench("meanet_blocks", tmp_path, "--quick", "--threads", "1")
+    rows = {r["blocks"]: r for r in result["rows"]}
+    assert set(rows) == {1, 2} and result["n_seeds"] == 1
+    assert rows[1]["hard_acc_main"] == rows[2]["hard_acc_main"]
+    assert 0 < rows[1]["trained_params"] < rows[2]["trained_params"]
+    for r in rows.values():
+        assert r["gain"] == pytest.approx(r["hard_acc_meanet"] - r["hard_acc_main"]) and r["edge_train_s"] > 0
+    assert [t["target"] for t in result["targets"]] == [
+        "hard-class gain of the extension exit, 1 extension block (points) >= +4",
+        "hard-class gain of the extension exit, 2 extension blocks (points) >= +4"]
+    assert {t["verdict"] for t in result["targets"]} == {"not judged (one seed)"}
+    assert (tmp_path / "meanet_blocks.png").stat().st_size > 10_000
+    bad = subprocess.run([sys.executable, "-m", "bench.meanet_blocks", "--blocks", "0", "--out", str(tmp_path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--blocks must be at least 1" in bad.stderr
+
+
+def test_elastic_rho_sweep_judges_each_rho_against_full_training_and_the_speed_up_it_asks_for(tmp_path):
+    """The Figure 17 sweep: per rho but 0.5 (the headline's own targets), the paired accuracy difference within 1
+    point and the training steps' speed-up at least 1/rho, over the seeds where elastic trained; the plot drawn."""
+    from bench import elastic
+
+    def run(method, seed, acc, speedup=1.0, rho=None, infeasible=None):
+        return {"model": "m", "method": method, "seed": seed, "rho": rho, "optimizer": "sgd", "test_acc": acc,
+                "train_speedup_vs_full": speedup, "infeasible": infeasible}
+    rows = [run("full", s, 0.90 + 0.01 * s) for s in range(3)]
+    rows += [run("elastic", s, 0.88 + 0.01 * s, 2.1, 0.5) for s in range(3)]
+    rows += [run("elastic", s, 0.895 + 0.01 * s + 0.001 * s, 1.7, 0.6) for s in range(3)]
+    rows += [run("elastic", s, 0.50, 1.2, 0.7, infeasible="too slow" if s == 2 else None) for s in range(3)]
+    sweep = {t["target"]: t for t in elastic.rho_sweep(rows, "m")}
+    assert set(sweep) == {"rho sweep: test accuracy minus full training's, rho 0.6 (points) >= -1",
+                          "rho sweep: training steps' speed-up over full training, rho 0.6 (x) >= +1.66667",
+                          "rho sweep: test accuracy minus full training's, rho 0.7 (points) >= -1",
+                          "rho sweep: training steps' speed-up over full training, rho 0.7 (x) >= +1.42857"}
+    acc6 = sweep["rho sweep: test accuracy minus full training's, rho 0.6 (points) >= -1"]
+    assert acc6["mean"] == pytest.approx(-0.4) and acc6["n_seeds"] == 3 and acc6["verdict"] == "met"
+    assert sweep["rho sweep: training steps' speed-up over full training, rho 0.6 (x) >= +1.66667"]["verdict"] == "met"
+    acc7 = sweep["rho sweep: test accuracy minus full training's, rho 0.7 (points) >= -1"]
+    assert acc7["n_seeds"] == 2 and acc7["mean"] == pytest.approx(-40.5) and acc7["verdict"] == "not met"
+    assert sweep["rho sweep: training steps' speed-up over full training, rho 0.7 (x) >= +1.42857"]["verdict"] == \
+        "not met"
+    elastic.plot_rho([{**r, "model": m} for m in ("a", "b") for r in rows], tmp_path / "rho.png")
+    assert (tmp_path / "rho.png").stat().st_size > 10_000
+    assert elastic.parse_args([]).rhos == [0.5, 0.6, 0.7]
+    assert elastic.parse_args(["--workload", "realistic"]).rhos == [0.5]
+
+
+@pytest.mark.slow   # a benchmark script end to end, tens of seconds
 def test_meanet_quick_trains_the_edge_and_routes_through_the_real_cloud(tmp_path):
     """bench.meanet_cloud trains and saves the cloud (its fp16 weights score what it reports); bench.meanet serves
     that cloud (--cloud-dir) over HTTP and routes the edge's hard instances to it."""
@@ -736,7 +787,7 @@ def test_headline_table_is_what_the_committed_results_say_and_judges_only_by_int
     (tmp_path / "mobiletl_realistic.json").write_text(json.dumps({"targets": [   # another workload's, beside
         {"model": "tv-m", "target": "MobileTL-3BLKs' peak below FT-3BLKs' (%) >= +16.7", "mean": 30.0,
          "lo": 30.0, "hi": 30.0, "n_seeds": 3, "verdict": "met"}]}))
-    for name in ("bittrain", "elastic", "elastic_realistic", "meanet"):
+    for name in ("bittrain", "elastic", "elastic_realistic", "meanet", "meanet_blocks"):
         (tmp_path / f"{name}.json").write_text(json.dumps({"targets": []}))
     rows = {r["model"]: r for r in headlines.rows(tmp_path)}
     assert rows["tv-m"]["results"] == "bench/results/mobiletl_realistic.md" and "16.7%" in rows["tv-m"]["claim"]
