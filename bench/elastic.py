@@ -237,8 +237,7 @@ def targets(seed_rows: list[dict], tta: list[dict], checks: list[dict]) -> list[
     out = []
     for model in dict.fromkeys(r["model"] for r in seed_rows):
         sgd = [r for r in seed_rows if r["model"] == model and r["optimizer"] == "sgd"]
-        pairs = [(next(r for r in sgd if r["method"] == "full" and r["seed"] == e["seed"]), e) for e in sgd
-                 if e["method"] == "elastic" and e["rho"] == 0.5 and not e["infeasible"]]
+        pairs = sweep_pairs(sgd, 0.5)
         if model.removeprefix("tv-").split("-")[0] in SPEEDUP_MODELS and pairs:
             out += [target("training steps' speed-up over full training, rho 0.5 (x)", TRAIN_SPEEDUP,
                            [e["train_speedup_vs_full"] for _, e in pairs], model=model),
