@@ -157,6 +157,20 @@ def run_pipeline(work: Path) -> tuple[Path, float, list[dict]]:
     return clone, timed["wall_s"], timed["stages"]
 
 
+def chance_note(pretrained: dict, n_classes: int) -> str:
+    """What the accuracies mean when a pre-trained model ended near chance (below twice 1/n_classes)."""
+    near = {k: v["test_acc"] for k, v in pretrained.items() if isinstance(v, dict) and v.get("test_acc") is not None
+            and v["test_acc"] < 2 / n_classes}
+    if not near:
+        return ""
+    names = ", ".join(f"{k} at {acc:.3g}" for k, acc in near.items())
+    return (f"Pre-training left {names}, near chance (1 in {n_classes} classes: {1 / n_classes:.3g}): the models start "
+            "from random weights, as no ImageNet weights can be downloaded here. The methods that keep a pre-trained "
+            "model's lower layers frozen (MobileTL, MEANet's main block) stay near chance, while the ones that "
+            "can retrain every layer (FT-All, ElasticTrainer) learn: the memory columns, batches and speeds are what "
+            "this workload is for; its accuracies need real pre-trained weights (docs/your-model.md). ")
+
+
 def main(argv=None) -> None:
     parser = bench_argparser(__doc__)
     parser.add_argument("--project", type=Path, help="a repository where the preset's pipeline has run: "
@@ -187,7 +201,9 @@ def main(argv=None) -> None:
                         for k, v in exported.items()], ["model", "onnx", "TorchScript"])
     if stages:
         result.add_section("dvc repro, per stage", stages, ["stage", "start_s", "wall_s"])
-    notes = (f"The whole pipeline (`dvc repro`, every stage) took {wall / 60:.1f} min. " if wall else "") + args.remark
+    classes = (_json(project, "data/prepared/manifest.json") or {}).get("classes", [])
+    notes = ((f"The whole pipeline (`dvc repro`, every stage) took {wall / 60:.1f} min. " if wall else "")
+             + (chance_note(pretrained, len(classes)) if classes else "") + args.remark)
     result.write(NAME, args.out, title="The realistic workload: 3x128x128, torchvision MobileNetV2 and ResNet-18",
                  notes=notes, extra={"preset": PRESET, "wall_s": wall,
                                      "params": yaml.safe_load((project / "params.yaml").read_text())})

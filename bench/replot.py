@@ -74,7 +74,7 @@ def _servers(d: dict, out: Path) -> None:
 
 def _plan(d: dict, out: Path) -> None:
     from bench.plan import plot
-    plot(d["rows"], out / "plan.png")
+    plot(d.get("per_repeat") or d["rows"], out / "plan.png")   # each repeat's predictions, where kept
 
 
 def _realistic(d: dict, out: Path) -> None:

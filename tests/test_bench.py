@@ -540,6 +540,10 @@ def test_realistic_reads_where_each_method_s_memory_goes_and_makes_the_photo_fol
         if (REPO / "data/prepared/manifest.json").is_file():   # a DVC output: absent from a fresh clone
             assert row["images_per_s"] > 0, row
     assert "took 1.0 min" in (tmp_path / "realistic.md").read_text() and (tmp_path / "realistic.png").stat().st_size
+    # a pre-trained model below twice chance is named, with what that does to the accuracies; one above is not
+    note = realistic.chance_note({"tv-a": {"test_acc": 0.1}, "tv-b": {"test_acc": 0.2}, "tv-c": {"test_acc": 0.9}}, 10)
+    assert "tv-a at 0.1" in note and "tv-b" not in note and "tv-c" not in note and "MobileTL" in note
+    assert realistic.chance_note({"tv-c": {"test_acc": 0.9}}, 10) == ""
     monkeypatch.setattr(realistic, "PHOTOS_PER_CLASS", 2)
     monkeypatch.setattr(realistic, "TEST_PER_CLASS", 1)
     root = realistic.make_photos(tmp_path / "photos")
@@ -856,3 +860,24 @@ def test_plan_precision_alternates_the_versions_and_reports_each_candidates_spre
     # a candidate's first round against its median, each as a share of the fastest timed every round
     plan = {"rounds": {"a": [100.0, 90.0, 80.0], "b": [50.0, 100.0, 100.0], "c": [30.0]}}
     assert [plan_precision.first_round_gap(plan, m) for m in "abc"] == [pytest.approx(0.1), -0.5, None]
+
+
+def test_plan_bench_judges_each_rows_mean_error_over_the_repeats():
+    """bench.plan's rows: the mean over repeats, the 95% interval of the mean |error| judged against 15% (met only
+    when the whole interval is), and how many single repeats were within 15%."""
+    from bench import plan
+
+    def rep(seed, method, plan_s, run_s):
+        r = {"workload": "default", "stage": "train_bp", "plan_batch": 8, "run_batch": 8, "method": method, "seed": seed,
+             "plan_samples_per_s": plan_s, "run_samples_per_s": run_s, "error": plan_s / run_s - 1}
+        return {**r, "abs_error": abs(r["error"]), "within_15pct": abs(r["error"]) <= plan.TOLERANCE}
+
+    close = [rep(0, "a", 101, 100), rep(1, "a", 98, 100), rep(2, "a", 103, 100)]
+    wide = [rep(0, "b", 100, 100), rep(1, "b", 124, 100), rep(2, "b", 102, 100)]
+    rows = {r["method"]: r for r in plan.summarize(close + wide)}
+    assert rows["a"]["verdict"] == "met" and rows["a"]["within_15pct"] == 3 and rows["a"]["n_seeds"] == 3
+    assert abs(rows["a"]["error"] - (0.01 - 0.02 + 0.03) / 3) < 1e-9 and rows["a"]["plan_samples_per_s"] == 302 / 3
+    # one repeat 24% off: 2 of 3 within, and the interval of the mean |error| reaches past 15%: not shown
+    assert rows["b"]["within_15pct"] == 2 and rows["b"]["verdict"] == "not shown"
+    assert plan.md_row(rows["b"])["within 15%"] == "2 of 3" and "±" in plan.md_row(rows["b"])["error"]
+    assert plan.summarize(close[:1])[0]["verdict"].startswith("not judged")
