@@ -399,7 +399,7 @@ def _fastest(group: list[dict]) -> dict | None:
 def _auto_ratio(auto: dict | None, other: dict | None, suffix: str) -> dict:
     """method: auto's time to target over ``other``'s, paired by seed, with its 95% interval and the 10% verdict."""
     keys = [f"auto_ratio{suffix}", f"auto_ratio{suffix}_ci", f"auto_within_10pct{suffix}"]
-    if not (auto and other):
+    if not (auto and other) or other.get("time_to_target_s") is None:   # no time to pair with in some seed
         return dict.fromkeys(keys)
     if auto.get("time_to_target_s") is None:   # not every seed of auto reached the target
         return dict(zip(keys, (None, None, False)))

@@ -720,6 +720,10 @@ def test_budget_verdicts_pair_auto_with_the_fastest_by_seed():
     [v] = verdicts([row(a, [10.0, 11.0, 12.0]), row(b, [20.0, 22.0, 24.0], auto=True),
                     row("auto", [20.0, None, 24.0], chose=[b] * 3)])
     assert v["auto_within_10pct"] is False and v["auto_ratio"] is None
+    # the stored plan's choice missed the target in a seed its own run reached it: that pair is not judged
+    [v] = verdicts([row(a, [10.0, None, 12.0], auto=True), row(b, [20.0, 22.0, 24.0]),
+                    row("auto_stored", [9.0, 10.0, 11.0], chose=[a] * 3)])
+    assert v["auto_stored_ratio_chosen"] is None and v["auto_stored_within_10pct_chosen"] is None
     # NeuroFlux fastest: auto (which chooses among the backprop methods) is judged against both
     [v] = verdicts([row(a, [10.0, 11.0, 12.0], auto=True), row("auto", [10.1, 11.1, 12.1], chose=[a] * 3),
                     row("neuroflux", [5.0, 6.0, 5.0])])
