@@ -79,11 +79,10 @@ def row(workload: str, stage: str, method: str, planned, batch: int, measured: f
 def summarize(per_repeat: list[dict]) -> list[dict]:
     """One row per (workload, stage, method): means over the repeats, the mean |error|'s verdict against 15%, and
     how many single repeats were within it."""
-    rows = over_seeds(per_repeat, ("workload", "stage", "method"),
-                      ("plan_samples_per_s", "run_samples_per_s", "error", "abs_error"))
+    key = ("workload", "stage", "method")
+    rows = over_seeds(per_repeat, key, ("plan_samples_per_s", "run_samples_per_s", "error", "abs_error"))
     for r in rows:
-        same = [x for x in per_repeat if [x[k] for k in ("workload", "stage", "method")] == [r[k] for k in
-                                                                                               ("workload", "stage", "method")]]
+        same = [x for x in per_repeat if all(x[k] == r[k] for k in key)]
         r["within_15pct"] = sum(x["within_15pct"] for x in same)
         r["verdict"] = target("plan's |error|", TOLERANCE, [x["abs_error"] for x in same], at_most=True)["verdict"]
         del r["seeds"]
@@ -161,6 +160,7 @@ def main(argv=None) -> None:
                        f"by the training loop without evaluations; the plan: the median of {ROUNDS} rounds, each at "
                        f"least {STEPS} steps and {WINDOW_SAMPLES} samples after {WARMUP} warm-up step(s), the "
                        "candidates in turn.")
+
 
 if __name__ == "__main__":
     main()
