@@ -323,6 +323,14 @@ def add_seeds(parser: argparse.ArgumentParser, what: str = "weights, data order"
                         help=f"seeds ({what}), one run each (default: 0 1 2; --quick: 0)")
 
 
+def quick_args(args: argparse.Namespace, quick: dict) -> argparse.Namespace:
+    """``args`` with ``quick``'s values set over them when --quick is given (the CI-sized run)."""
+    if args.quick:
+        for key, value in quick.items():
+            setattr(args, key, value)
+    return args
+
+
 def seeds_of(args: argparse.Namespace) -> list[int]:
     """The seeds to run: --seeds as given, else three (one under --quick). A seed given twice would count one run
     as two in every interval: refused."""

@@ -47,7 +47,8 @@ from scipy.stats import spearmanr
 
 from bench import realistic
 from bench.common import (TARGET_COLUMNS, BenchResult, HelpFormatter, add_seeds, add_workload, bench_argparser,
-                          mean_ci, over_seeds, parse_workload, pm, result_name, seeds_of, target, workload_model)
+                          mean_ci, over_seeds, parse_workload, pm, quick_args, result_name, seeds_of, target,
+                          workload_model)
 from bench.mobiletl import load_data, pretrain
 from edgeflux.colours import method_colour
 from edgeflux.elastic import (ElasticBudgetError, ElasticOptions, classifier_names, profile_tensors, random_selections,
@@ -106,10 +107,7 @@ def parse_args(argv=None):
                  f"bench.realistic's photo folder at {realistic.PHOTO_PX} px (3 channels), torchvision's architectures "
                  "at full width", REALISTIC)
     add_seeds(parser, "pre-trained weights, fine-tuning order")
-    args = parse_workload(parser, argv)
-    if args.quick:
-        for key, value in QUICK.items():
-            setattr(args, key, value)
+    args = quick_args(parse_workload(parser, argv), QUICK)
     args.seeds = seeds_of(args)
     if any(not 0 < r <= 1 for r in args.rhos):
         parser.error(f"--rhos must be in (0, 1], got {args.rhos}")

@@ -45,7 +45,7 @@ from rich.logging import RichHandler
 
 from bench import meanet_cloud
 from bench.common import (TARGET_COLUMNS, BenchResult, HelpFormatter, add_seeds, bench_argparser, over_seeds, pm,
-                          seeds_of, target)
+                          quick_args, seeds_of, target)
 from edgeflux.backprop import train_under_budget
 from edgeflux.data import load_raw, prepare, tensors
 from edgeflux.meanet.cloud import CloudClient
@@ -108,10 +108,7 @@ def parse_args(argv=None):
     parser.add_argument("--n-hards", nargs="*", type=int, default=[3, 7],
                         help="Table V: other n_hard values for ResNet-18 model A (5, the default, always runs)")
     add_seeds(parser, "CNN and block weights, data order, the cloud")
-    args = parser.parse_args(argv)
-    if args.quick:
-        for key, value in QUICK.items():
-            setattr(args, key, value)
+    args = quick_args(parser.parse_args(argv), QUICK)
     args.seeds = seeds_of(args)
     return args
 

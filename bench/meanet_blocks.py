@@ -22,7 +22,7 @@ import torch
 from rich.logging import RichHandler
 
 from bench.common import (TARGET_COLUMNS, BenchResult, HelpFormatter, add_seeds, bench_argparser, mean_ci,
-                          over_seeds, pm, seeds_of, target)
+                          over_seeds, pm, quick_args, seeds_of, target)
 from bench.meanet import HARD_TARGET, add_flags, edge_train, hard_of, load, main_net, pretrain
 from edgeflux.meanet.evaluate import edge_tables
 from edgeflux.meanet.model import MEANetSpec, block_costs
@@ -42,10 +42,7 @@ def parse_args(argv=None):
     parser.add_argument("--blocks", nargs="+", type=int, default=[1, 2, 4],
                         help="new residual blocks in model B's extension block, one MEANet each")
     add_seeds(parser, "CNN and block weights, data order")
-    args = parser.parse_args(argv)
-    if args.quick:
-        for key, value in QUICK.items():
-            setattr(args, key, value)
+    args = quick_args(parser.parse_args(argv), QUICK)
     if min(args.blocks) < 1:
         parser.error(f"--blocks must be at least 1 (model B needs a new block), got {args.blocks}")
     args.seeds = seeds_of(args)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import BenchResult, HelpFormatter, bench_argparser, fmt_ci, mean_ci
+from bench.common import BenchResult, HelpFormatter, bench_argparser, fmt_ci, mean_ci, quick_args
 from edgeflux.backprop import train_under_budget
 from edgeflux.data import load_raw, prepare, tensors
 from edgeflux.models import build_model
@@ -46,10 +46,7 @@ def parse_args(argv=None):
     parser.add_argument("--train-samples", type=int, default=None, help="source images (default: all)")
     parser.add_argument("--test-samples", type=int, default=None, help="target test images (default: all 10,000)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the cloud trains")
-    args = parser.parse_args(argv)
-    if args.quick:
-        for key, value in QUICK.items():
-            setattr(args, key, value)
+    args = quick_args(parser.parse_args(argv), QUICK)
     return args
 
 

@@ -49,7 +49,7 @@ from torchvision.models import mobilenetv2, mobilenetv3
 
 from bench import realistic
 from bench.common import (TARGET_COLUMNS, BenchResult, HelpFormatter, add_seeds, add_workload, bench_argparser,
-                          model_args, over_seeds, parse_workload, pm, result_name, seeds_of, target,
+                          model_args, over_seeds, parse_workload, pm, quick_args, result_name, seeds_of, target,
                           workload_model)
 from edgeflux.backprop import train_under_budget
 from edgeflux.bittrain import BitTrainOptions
@@ -149,10 +149,7 @@ def parse_args(argv=None):
     add_workload(parser, "Fashion-MNIST at --image-size, the zoo's models at --width",
                  "bench.realistic's photo folder (3 channels), torchvision's architectures at full width", REALISTIC)
     add_seeds(parser, "pre-trained weights, fine-tuning order; the block case is deterministic and runs once")
-    args = parse_workload(parser, argv)
-    if args.quick:
-        for key, value in QUICK.items():
-            setattr(args, key, value)
+    args = quick_args(parse_workload(parser, argv), QUICK)
     args.seeds = seeds_of(args)
     if min(args.blocks) < 1:
         parser.error(f"--blocks must be >= 1, got {args.blocks}")
